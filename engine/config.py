@@ -1,0 +1,121 @@
+"""Engine configuration: one dataclass, validated at construction.
+
+Field names follow vLLM's engine arguments so that users can carry their
+flags over unchanged. Each field's ``metadata`` holds the help text and unit
+used by the CLI, the YAML loader and the README's configuration table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MB`` or ``1073741824``.
+
+    Returns:
+        The size in bytes.
+    Raises:
+        ValueError: when the text is not a number followed by a known unit.
+    """
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(
+            f"invalid size {value!r}: expected a number with an optional unit "
+            f"(B, KB, MB, GB, KiB, MiB, GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "unit": unit, "choices": choices})
+
+
+@dataclass
+class EngineArgs:
+    """Every knob of the engine. See the README's configuration table."""
+
+    model: str | None = _arg(
+        None, "Local HF folder, .gguf file or hub id; empty = the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = _arg(
+        None, "Model name reported by /v1/models and accepted in requests; empty = derived from model")
+    dtype: str = _arg(
+        "auto", "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
+        choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = _arg("auto", "Where the model runs; auto = CUDA when available",
+                       choices=("auto", "cpu", "cuda"))
+    seed: int = _arg(0, "Seed for the random sampling of requests that set no seed")
+    max_model_len: int | None = _arg(
+        None, "Longest sequence (prompt + output); empty = the model's max_position_embeddings", "tokens")
+    max_num_seqs: int = _arg(64, "Most requests running in one step", "requests")
+    max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step", "tokens")
+    block_size: int = _arg(16, "Tokens per KV cache block", "tokens")
+    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes")
+    long_prefill_token_threshold: int = _arg(
+        0, "Longest prefill chunk of one request per step; 0 = only the step budget limits it", "tokens")
+    num_gpu_blocks_override: int | None = _arg(
+        None, "Fixed number of KV cache blocks (any device); empty = sized from memory", "blocks")
+    gpu_memory_utilization: float = _arg(
+        0.9, "Fraction of GPU memory the engine may use (weights, activations, KV cache)", "fraction")
+    kv_cache_memory_bytes: int | str | None = _arg(
+        "2GiB", "KV cache size on CPU, or on CUDA instead of gpu_memory_utilization", "bytes")
+    enforce_eager: bool = _arg(False, "Disable CUDA graphs")
+    max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
+    max_waiting_requests: int = _arg(
+        1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
+                    "max_waiting_requests")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(f"num_gpu_blocks_override must be >= 2, got {self.num_gpu_blocks_override}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits, resolved from ``EngineArgs`` and the model."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache's shape, resolved from ``EngineArgs`` and memory."""
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True

@@ -1,0 +1,125 @@
+"""Which KV blocks each request owns, and prefix-cache lookups."""
+
+from __future__ import annotations
+
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates KV blocks to requests and finds cached prefixes.
+
+    Args:
+        num_blocks: blocks in the pool, the reserved null block included.
+        block_size: tokens per block.
+        enable_caching: prefix caching on or off.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Blocks of each request already registered in the prefix-cache index.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # prompt tokens looked up (tokens)
+        self.prefix_cache_hits = 0     # of those, found in the cache (tokens)
+
+    @property
+    def usage(self) -> float:
+        """Fraction (0..1) of usable blocks held by requests."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request``'s tokens.
+
+        The last token is never served from the cache: its logits are needed
+        to sample, so at least one token is always computed. Requests asking
+        for prompt logprobs get no hits (every prompt position must run).
+
+        Returns:
+            The cached blocks (not yet referenced: pass them to
+            ``allocate_slots``) and the number of tokens they hold.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks, len(blocks) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup that led to scheduling (retries are not counted twice)."""
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Give ``request`` room for ``num_new_tokens`` more tokens.
+
+        Args:
+            request: the request; its ``num_computed_tokens`` is where the new tokens start.
+            num_new_tokens: tokens to compute this step.
+            num_new_computed_tokens: tokens found in the prefix cache (first scheduling only).
+            new_computed_blocks: the blocks holding them, from ``get_computed_blocks``.
+
+        Returns:
+            The newly allocated blocks (possibly empty), or None when the pool
+            cannot hold them; nothing changes in that case.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
+        # Cache hits that sit in the free queue stop being allocatable once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        # Registering blocks whose K/V this very step will write is safe: a
+        # request that hits them is scheduled in a later step, after the write.
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        if end > start:
+            self.block_pool.cache_full_blocks(req_blocks[start:end], request.block_hashes[start:end])
+            self.num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``.
+
+        Blocks are freed tail first, so under pressure a prefix's last blocks
+        are evicted before its root, which more requests share.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False when requests still hold blocks."""
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,293 @@
+"""The scheduler: which requests run how many tokens each step (design sections 2 and 5).
+
+There is no prefill or decode phase. Every request has ``num_tokens`` and
+``num_computed_tokens``; each step gives it up to the difference, within the
+token budget, the running-request limit and the free KV blocks. Running
+requests go first, then waiting ones in arrival order. When a running
+request cannot get blocks, the latest-arrived running request is preempted
+by recompute (its blocks are freed and it is recomputed later from its
+tokens), as in vLLM V1 and Kwon et al. 2023 (PagedAttention, arXiv:2309.06180).
+
+This package imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for metrics and logs. Counters are totals since start."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float          # 0..1
+    prefix_cache_queries: int      # tokens
+    prefix_cache_hits: int         # tokens
+    num_preemptions: int
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call decided, before it is packed into a ``SchedulerOutput``."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int]
+    new_block_ids: dict[str, list[int]]
+    new_reqs: list[Request]
+    resumed_reqs: list[Request]
+    running_reqs: list[Request]
+    preempted_reqs: list[Request]
+
+
+class Scheduler:
+    """Owns requests, queues, the token budget and KV block allocation.
+
+    Args:
+        scheduler_config: budgets and limits.
+        cache_config: KV cache size and prefix caching.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(); handed to the worker, then replaced.
+        self.finished_req_ids: set[str] = set()
+        self._prev_step_scheduled: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: when its id is taken, or when its prompt plus one
+                output token cannot fit in ``max_model_len`` or in the whole KV cache.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                             f"{self.config.max_model_len}, which leaves no room for output")
+        max_len = min(self.config.max_model_len,
+                      request.num_prompt_tokens + (request.sampling_params.max_tokens or self.config.max_model_len))
+        if cdiv(max_len, self.block_size) > self.kv_cache_manager.num_usable_blocks:
+            raise ValueError(f"a request of up to {max_len} tokens needs more KV cache than the engine has "
+                             f"({self.kv_cache_manager.num_usable_blocks * self.block_size} tokens)")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (aborts); their blocks are freed now.
+
+        Unknown or already finished ids are ignored.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished_running = set()
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                finished_running.add(request_id)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+        if finished_running:
+            self.running = [r for r in self.running if r.request_id not in finished_running]
+
+    def has_requests(self) -> bool:
+        """True while anything is queued, running, or waiting for cleanup on the worker."""
+        return bool(self.waiting or self.running or self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                              kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
+                              prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. See the module docstring for the policy."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, num_scheduled_tokens={},
+                         new_block_ids={}, new_reqs=[], resumed_reqs=[], running_reqs=[], preempted_reqs=[])
+        self._schedule_running(plan)
+        # A step that had to preempt is short of blocks: admitting new work would thrash.
+        if not plan.preempted_reqs:
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        self._update_after_schedule(output)
+        return output
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+                # Requests ahead of `index` are already scheduled; the victim is
+                # always the latest arrival, possibly this request itself.
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            plan.running_reqs.append(request)
+            plan.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+            index += 1
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens, plan.token_budget)
+            if kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks) is None:
+                break
+            kv.record_prefix_cache_lookup(request.num_tokens, num_computed_tokens)
+            self.waiting.popleft()
+            self.running.append(request)
+            (plan.new_reqs if request.status == RequestStatus.WAITING else plan.resumed_reqs).append(request)
+            request.status = RequestStatus.RUNNING
+            # Starts at the prefix-cache hit; advanced by this step's tokens in _update_after_schedule.
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            plan.new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+            plan.num_scheduled_tokens[request.request_id] = num_new_tokens
+            plan.token_budget -= num_new_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        cached = CachedRequestData()
+        resumed_ids = {r.request_id for r in plan.resumed_reqs}
+        for request in plan.running_reqs + plan.resumed_reqs:
+            req_id = request.request_id
+            resumed = req_id in resumed_ids
+            cached.req_ids.append(req_id)
+            if resumed:
+                cached.resumed_req_ids.add(req_id)
+            cached.new_block_ids.append(plan.new_block_ids[req_id] or None)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.num_output_tokens.append(request.num_output_tokens)
+            if resumed or req_id not in self._prev_step_scheduled:
+                cached.all_token_ids[req_id] = list(request.all_token_ids)
+        new_reqs = [NewRequestData.from_request(r, plan.new_block_ids[r.request_id]) for r in plan.new_reqs]
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            # The set object now belongs to this output; _update_after_schedule
+            # starts a new one instead of clearing it.
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+        )
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        # Advance optimistically: the worker computes these tokens during this
+        # step, so the next schedule() must start after them even though the
+        # step's output has not come back yet.
+        for req_id, num_scheduled in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_scheduled
+        self.finished_req_ids = set()
+        self._prev_step_scheduled = set(output.num_scheduled_tokens)
+
+    # ------------------------------------------------------------------ results
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns:
+            One ``EngineCoreOutput`` per request that produced tokens, prompt
+            logprobs, or finished this step.
+        """
+        outputs: list[EngineCoreOutput] = []
+        index_of = model_runner_output.req_id_to_index
+        stopped: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or req_id not in index_of:
+                continue  # aborted while the step ran
+            index = index_of[req_id]
+            new_token_ids = []
+            for token_id in model_runner_output.sampled_token_ids[index]:
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                if self._check_stop(request, token_id):
+                    break
+            logprobs = model_runner_output.logprobs[index] if model_runner_output.logprobs else None
+            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if request.is_finished:
+                stopped.add(req_id)
+                self._free_request(request, request.status)
+            if new_token_ids or prompt_logprobs or request.is_finished:
+                outputs.append(EngineCoreOutput(
+                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+                    new_logprobs=logprobs[:len(new_token_ids)] if logprobs else None,
+                    new_prompt_logprobs=prompt_logprobs))
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set a finished status on ``request`` if ``token_id`` ends it."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len
+        if request.num_output_tokens >= max_tokens or request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]

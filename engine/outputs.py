@@ -1,0 +1,120 @@
+"""Data crossing the engine's boundaries.
+
+``ModelRunnerOutput`` goes worker -> scheduler once per step,
+``EngineCoreOutput`` goes scheduler -> frontend (one per request per step),
+and ``RequestOutput`` is what callers of ``LLM`` / ``AsyncLLM`` receive.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, with OpenAI's ``finish_reason`` values."""
+
+    STOP = "stop"      # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"    # client went away, or the engine shut down
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: the chosen token first, then the top-k.
+
+    Attributes:
+        token_ids: ``[1 + k]`` ids: the chosen token, then the k most likely.
+        logprobs: ``[1 + k]`` natural-log probabilities (float) of those ids.
+        rank: rank of the chosen token in the distribution (1 = most likely).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one ``execute_model`` step produced.
+
+    Attributes:
+        req_ids: the scheduled requests in persistent-batch row order.
+        req_id_to_index: request id -> index into the lists below.
+        sampled_token_ids: per request, the tokens sampled this step
+            (empty while a prompt is still being prefilled in chunks).
+        logprobs: per request, the logprobs of each sampled token
+            (None for requests that asked for none).
+        prompt_logprobs: request id -> logprobs of the prompt positions
+            computed this step (None for position 0, which has no logprob).
+    """
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request from one engine step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens appended this step (may be empty, e.g. on abort).
+        finish_reason: set on the request's last output.
+        stop_reason: the stop token id that ended it, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        new_logprobs: logprobs of ``new_token_ids`` when asked for.
+        new_prompt_logprobs: prompt logprobs computed this step when asked for.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (there are ``n`` per prompt).
+
+    ``text`` and ``token_ids`` are the full output so far, or only the new
+    part when the caller streams in delta mode.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The output of one prompt, as returned by ``LLM.generate``."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,113 @@
+"""The scheduler's record of one request (design section 2)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
+from engine.outputs import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    ``num_computed_tokens`` counts tokens of ``all_token_ids`` whose K/V are in
+    the cache; a token sampled at step t is appended at once but computed at
+    step t + 1. ``block_hashes`` holds the chained hash of every full block of
+    ``all_token_ids`` (prompt and output), kept current on each append.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt, at least one token.
+        sampling_params: how to sample.
+        eos_token_id: the model's end-of-sequence token (None: no EOS stop).
+        block_size: KV block size in tokens, used for ``block_hashes``.
+        arrival_time: wall-clock seconds (``time.time()``) the request arrived.
+
+    Raises:
+        ValueError: on an empty prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_id: int | None, block_size: int, arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.block_size = block_size
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first scheduling; -1 before.
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        hash_new_full_blocks(self._all_token_ids, self.block_hashes, block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        """Append sampled tokens to the output and refresh ``block_hashes``."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        hash_new_full_blocks(self._all_token_ids, self.block_hashes, self.block_size)

@@ -1,0 +1,107 @@
+"""Per-request sampling parameters with vLLM / OpenAI semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Samplers treat temperatures below this as greedy (argmax) decoding.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the output of one request.
+
+    Attributes:
+        n: number of completions for the prompt (>= 1).
+        temperature: softmax temperature (>= 0); 0 means greedy decoding.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` x the top one, in [0, 1].
+        seed: seeds a per-request generator so the output is reproducible
+            whatever else is in the batch.
+        stop: strings that end the output when generated (not included unless
+            ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end the output (the token is kept).
+        max_tokens: most output tokens; None = up to the model's context length.
+        min_tokens: EOS and stop tokens are ignored before this many output tokens.
+        ignore_eos: keep generating past EOS.
+        presence_penalty: OpenAI presence penalty in [-2, 2] over output tokens.
+        frequency_penalty: OpenAI frequency penalty in [-2, 2] over output tokens.
+        repetition_penalty: HF / CTRL repetition penalty (> 0; 1 = off) over
+            prompt and output tokens (Keskar et al. 2019, arXiv:1909.05858).
+        logit_bias: token id -> bias in [-100, 100] added to the logits.
+        logprobs: number of top logprobs per output token (0 = only the sampled one).
+        prompt_logprobs: number of top logprobs per prompt token.
+        skip_special_tokens: drop special tokens from the output text.
+        include_stop_str_in_output: keep the matched stop string in the text.
+
+    Raises:
+        ValueError: on any value outside its range, naming the parameter.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        check(self.n >= 1, "n", ">= 1")
+        check(self.temperature >= 0.0, "temperature", ">= 0")
+        check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
+        check(self.top_k >= 0, "top_k", ">= 1, or 0 / -1 to disable")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1")
+        check(self.min_tokens >= 0, "min_tokens", ">= 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              "min_tokens", f"<= max_tokens ({self.max_tokens})")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0")
+        check(all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
+              "logit_bias", "a map of token ids to biases in [-100, 100]")
+        check(all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "keyed by non-negative token ids")
+        check(self.logprobs is None or self.logprobs >= 0, "logprobs", ">= 0")
+        check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", ">= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

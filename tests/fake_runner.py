@@ -1,0 +1,102 @@
+"""A fake model runner for scheduler tests: worker-side bookkeeping without a model.
+
+It keeps its own per-request state from ``SchedulerOutput`` frames exactly as
+the real worker must (new data once, diffs after), simulates the paged KV
+cache as one token id per slot, and checks on every step that each request's
+blocks hold its tokens, which catches wrong prefix-cache hits, block lists and
+positions. Its "model" is a deterministic function of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+
+
+def next_token(token_ids: list[int], vocab_size: int) -> int:
+    """The fake model: a rolling hash of the sequence, so any wrong input shows."""
+    h = 0
+    for t in token_ids:
+        h = (h * 31 + t + 1) % 1_000_003
+    return 3 + h % (vocab_size - 3)
+
+
+@dataclass
+class _State:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeModelRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 50) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv = [-1] * (num_blocks * block_size)
+        self.requests: dict[str, _State] = {}
+
+    def _slot(self, state: _State, position: int) -> int:
+        return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.requests
+            self.requests[new.req_id] = _State(list(new.prompt_token_ids), list(new.block_ids),
+                                               new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(cached.new_block_ids[i])
+            elif cached.new_block_ids[i] is not None:
+                state.block_ids.extend(cached.new_block_ids[i])
+            if req_id in cached.all_token_ids:
+                state.token_ids = list(cached.all_token_ids[req_id])
+            assert cached.num_output_tokens[i] >= 0
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            start, num = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
+            assert num > 0 and start + num <= len(state.token_ids)
+            assert len(state.block_ids) * self.block_size >= start + num
+            for pos in range(start, start + num):
+                self.kv[self._slot(state, pos)] = state.token_ids[pos]
+            state.num_computed_tokens = start + num
+            # Every earlier position must be readable from the request's own blocks.
+            for pos in range(start + num):
+                assert self.kv[self._slot(state, pos)] == state.token_ids[pos], (req_id, pos)
+            if state.num_computed_tokens == len(state.token_ids):
+                token = next_token(state.token_ids, self.vocab_size)
+                state.token_ids.append(token)
+                sampled.append([token])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+
+def step(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+    so = scheduler.schedule()
+    return so, scheduler.update_from_output(so, runner.execute_model(so))
+
+
+def reference_tokens(prompt: list[int], max_tokens: int, vocab_size: int, eos_token_id: int | None = None,
+                     max_model_len: int = 10**9) -> list[int]:
+    """What a request outputs when run alone, one token at a time."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens and len(tokens) < max_model_len:
+        t = next_token(tokens, vocab_size)
+        tokens.append(t)
+        out.append(t)
+        if t == eos_token_id:
+            break
+    return out
