@@ -1,0 +1,18 @@
+"""pagedserve's engine: scheduler, paged KV cache, model runner and the offline ``LLM`` API."""
+
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so that the scheduler (which needs no torch) loads without torch.
+    if name == "LLM":
+        from engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

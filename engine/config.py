@@ -68,7 +68,7 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "Fraction of GPU memory the engine may use (weights, activations, KV cache)", "fraction")
     kv_cache_memory_bytes: int | str | None = _arg(
-        "2GiB", "KV cache size on CPU, or on CUDA instead of gpu_memory_utilization", "bytes")
+        None, "KV cache size (e.g. 2GiB); empty = 2GiB on CPU, from gpu_memory_utilization on CUDA", "bytes")
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
     max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
     max_waiting_requests: int = _arg(

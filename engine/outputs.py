@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a request ended, with OpenAI's ``finish_reason`` values."""
 
     STOP = "stop"      # EOS, a stop token or a stop string

@@ -110,4 +110,5 @@ class Request:
             token_ids = [token_ids]
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
-        hash_new_full_blocks(self._all_token_ids, self.block_hashes, self.block_size)
+        if len(self._all_token_ids) // self.block_size > len(self.block_hashes):
+            hash_new_full_blocks(self._all_token_ids, self.block_hashes, self.block_size)

@@ -79,10 +79,16 @@ class KVCacheManager:
             The newly allocated blocks (possibly empty), or None when the pool
             cannot hold them; nothing changes in that case.
         """
-        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        if not new_computed_blocks and num_required <= len(req_blocks):
+            # Decode fast path (15 steps in 16): room in the last block, and no
+            # block became full, except when this very token fills one.
+            if self.enable_caching and (num_computed + num_new_tokens) % self.block_size == 0:
+                self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+            return []
+        new_computed_blocks = new_computed_blocks or []
         num_new_blocks = num_required - len(req_blocks) - len(new_computed_blocks)
         # Cache hits that sit in the free queue stop being allocatable once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

@@ -1,0 +1,1 @@
+"""Servers our engine is compared against; see README.md beside this file."""

@@ -1,0 +1,101 @@
+"""Synthetic prompts: random token ids detokenized, reproducible from a seed.
+
+Every benchmark draws its prompts from here so that all servers see exactly
+the same text. Request ``i`` depends only on ``(seed, i)``, so the first N
+prompts are identical whether 8 or 128 are drawn: a server run with a prompt
+cap gets a prefix of the others' dataset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+# Decode/encode round trips of random ids rarely reach a fixed point at once
+# (byte-level BPE merges neighbours); a few passes settle every case we saw.
+_MAX_RETOKENIZE_PASSES = 8
+
+
+class Tokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer the dataset needs."""
+
+    vocab_size: int
+    all_special_ids: list[int]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class SyntheticRequest:
+    """One prompt of the dataset."""
+
+    prompt: str
+    prompt_len: int  # tokens of ``prompt`` as the tokenizer encodes it, no special tokens
+    output_len: int  # tokens to ask for (max_tokens)
+
+
+def parse_len_range(text: str) -> tuple[int, int]:
+    """Parse ``"64:512"`` or ``"128"`` into an inclusive (min, max) token range.
+
+    Raises:
+        ValueError: when the bounds are not positive integers with min <= max.
+    """
+    low_text, _, high_text = text.partition(":")
+    try:
+        low = int(low_text)
+        high = int(high_text) if high_text else low
+    except ValueError:
+        raise ValueError(f"invalid length range {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"invalid length range {text!r}: need 1 <= MIN <= MAX")
+    return low, high
+
+
+def _prompt_of_length(tokenizer: Tokenizer, rng: np.random.Generator,
+                      vocab: np.ndarray, num_tokens: int) -> tuple[str, int]:
+    """Random text that encodes to ``num_tokens`` tokens (rarely a few off).
+
+    Returns:
+        The text and its token count.
+    """
+    ids = rng.choice(vocab, size=num_tokens)
+    for _ in range(_MAX_RETOKENIZE_PASSES):
+        text = tokenizer.decode(ids.tolist())
+        encoded = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
+        if len(encoded) == num_tokens:
+            return text, num_tokens
+        # Too long: cut; too short: top up with fresh random ids, then re-check.
+        ids = encoded[:num_tokens] if len(encoded) > num_tokens else np.concatenate(
+            [encoded, rng.choice(vocab, size=num_tokens - len(encoded))])
+    text = tokenizer.decode(ids.tolist())
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def sample_requests(tokenizer: Tokenizer, num_prompts: int, input_len: tuple[int, int],
+                    output_len: tuple[int, int], seed: int = 0) -> list[SyntheticRequest]:
+    """Draw ``num_prompts`` random prompts.
+
+    Args:
+        tokenizer: the served model's tokenizer; special tokens are never drawn.
+        num_prompts: how many requests.
+        input_len: inclusive (min, max) prompt length in tokens, drawn uniformly.
+        output_len: inclusive (min, max) requested output length in tokens.
+        seed: request ``i`` is drawn from ``numpy.random.default_rng([seed, i])``.
+    Raises:
+        ValueError: when ``num_prompts`` is negative.
+    """
+    if num_prompts < 0:
+        raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    vocab = np.setdiff1d(np.arange(tokenizer.vocab_size), np.asarray(tokenizer.all_special_ids))
+    requests = []
+    for index in range(num_prompts):
+        rng = np.random.default_rng([seed, index])
+        num_input = int(rng.integers(input_len[0], input_len[1] + 1))
+        num_output = int(rng.integers(output_len[0], output_len[1] + 1))
+        prompt, prompt_len = _prompt_of_length(tokenizer, rng, vocab, num_input)
+        requests.append(SyntheticRequest(prompt, prompt_len, num_output))
+    return requests

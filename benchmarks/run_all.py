@@ -1,0 +1,390 @@
+"""Benchmark our server and the baselines on the standard scenarios (``make bench``).
+
+Each server is started here as a subprocess on a free loopback port, waited
+for (GET /health or /v1/models answering 200), sent the same prompts per
+scenario, and stopped. A server that is not installed or does not come up is
+skipped with a note. The Markdown report and the JSON land in
+``benchmarks/results/``.
+
+    python -m benchmarks.run_all --servers naive,llama-server --scenarios P1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
+from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
+from benchmarks.roofline import (
+    cpu_model,
+    decode_bandwidth_bound_s,
+    format_roofline,
+    measure_roofline,
+    model_flops_utilisation,
+    num_threads,
+)
+from benchmarks.serve import ServeOptions, benchmark, fetch_first_model, result_record
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+LLAMA_CPP_PYTHON_CTX = 2048  # tokens; the longest scenario needs 512 + 256
+CTX_SLACK = 64  # tokens per llama-server slot beyond prompt + output, for BOS/template
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One standard load pattern. Each has its own seed so no two share prompt prefixes."""
+
+    name: str
+    kind: str
+    input_len: tuple[int, int]  # tokens, inclusive range
+    output_len: int  # tokens, generated in full (ignore_eos)
+    concurrency: int  # requests in flight
+    num_prompts: int
+    seed: int
+
+    def describe(self) -> str:
+        """One line for the report."""
+        low, high = self.input_len
+        return (f"{self.name} = {self.kind}: input {low}–{high} tokens, output {self.output_len}, "
+                f"ignore_eos, concurrency {self.concurrency}, {self.num_prompts} prompts")
+
+
+SCENARIOS = {s.name: s for s in (
+    Scenario("P1", "prefill-heavy", (64, 512), 128, 1, 8, seed=1),
+    Scenario("P16", "prefill-heavy", (64, 512), 128, 16, 64, seed=2),
+    Scenario("D64", "decode-heavy", (16, 64), 256, 64, 128, seed=3),
+)}
+
+
+def llama_server_binary() -> str | None:
+    """``$LLAMA_SERVER``, else ``llama-server`` beside this Python or on PATH."""
+    beside_python = Path(sys.executable).parent / "llama-server"
+    for candidate in (os.environ.get("LLAMA_SERVER"), str(beside_python), shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to start one server and what its decode steps read."""
+
+    name: str
+    command: Callable[[int, Scenario], list[str]]  # (port, scenario) -> argv
+    missing: Callable[[], str | None]  # why it cannot run here, or None
+    fp32_weights: bool  # True: weights dequantized to fp32; False: the GGUF's own quantized bytes
+    bans_eos_by_logit_bias: bool = False  # the server ignores ignore_eos; ban EOS through logit_bias
+
+
+def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
+    cores = str(num_threads())
+    python = sys.executable
+
+    def no_module(module: str, install: str) -> Callable[[], str | None]:
+        return lambda: None if importlib.util.find_spec(module) else f"not installed ({install})"
+
+    specs = [
+        ServerSpec("pagedserve", lambda port, _: [python, "-m", "server", "serve", "--host", HOST,
+                                                  "--port", str(port)],
+                   missing=lambda: None, fp32_weights=True),
+        ServerSpec("naive", lambda port, _: [python, "-m", "benchmarks.baselines.naive_server",
+                                             "--host", HOST, "--port", str(port)],
+                   missing=lambda: None, fp32_weights=True),
+        ServerSpec("llama-cpp-python", lambda port, _: [
+            python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST, "--port", str(port),
+            "--interrupt_requests", "False", "--n_threads", cores, "--n_threads_batch", cores,
+            "--n_ctx", str(LLAMA_CPP_PYTHON_CTX)],
+                   missing=no_module("llama_cpp", "see benchmarks/baselines/README.md"),
+                   fp32_weights=False, bans_eos_by_logit_bias=True),
+        ServerSpec("llama-server", lambda port, s: [
+            llama_server_binary() or "llama-server", "-m", str(gguf), "--host", HOST, "--port", str(port),
+            "-np", str(s.concurrency), "-c", str((s.input_len[1] + s.output_len + CTX_SLACK) * s.concurrency),
+            "-t", cores, "-tb", cores, "--cont-batching"],
+                   missing=lambda: None if llama_server_binary() else
+                   "binary not found (see benchmarks/baselines/README.md)",
+                   fp32_weights=False),
+    ]
+    return {s.name: s for s in specs}
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess in its own process group, logging to a file."""
+
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path) -> None:
+        self.command = command
+        self.port = port
+        self.base_url = f"http://{HOST}:{port}"
+        self.log_path = log_dir / f"{name}-{port}.log"
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env=os.environ | {"HF_HUB_OFFLINE": "1"},
+                                            start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> str | None:
+        """Poll until the server answers; returns None when ready, else why not."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return f"exited with code {self.process.returncode}"
+            for path in ("/health", "/v1/models"):
+                try:
+                    if httpx.get(self.base_url + path, timeout=2.0).status_code == 200:
+                        return None
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+        return f"not ready within {timeout_s:.0f} s"
+
+    def log_tail(self, num_lines: int = 5) -> str:
+        """Last lines of the server's output, for a skip note."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return " | ".join(line.strip() for line in lines[-num_lines:])
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after 20 s."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def eos_logit_bias(tokenizer: Tokenizer) -> dict[str, Any]:
+    """Request fields that make greedy decoding never pick a special token (EOS included)."""
+    return {"logit_bias": {str(i): -100.0 for i in tokenizer.all_special_ids}}
+
+
+def run_scenario(server: ServerProcess, spec: ServerSpec, scenario: Scenario,
+                 requests: list[SyntheticRequest], tokenizer: Tokenizer) -> dict[str, Any]:
+    """Warm the server up with one short request, then measure ``requests``."""
+    model = asyncio.run(fetch_first_model(server.base_url))
+    options = ServeOptions(base_url=server.base_url, model=model, max_concurrency=scenario.concurrency,
+                           ignore_eos=True, seed=scenario.seed,
+                           extra_body=eos_logit_bias(tokenizer) if spec.bans_eos_by_logit_bias else {},
+                           show_progress=False)
+    asyncio.run(benchmark([replace(requests[0], output_len=4)], options, tokenizer))
+    metrics, results = asyncio.run(benchmark(requests, replace(options, show_progress=True), tokenizer))
+    config = {"server": spec.name, "scenario": scenario.name, "num_prompts": len(requests),
+              "max_concurrency": scenario.concurrency, "command": server.command}
+    return result_record(metrics, results, config)
+
+
+def add_derived_metrics(run: dict[str, Any], spec: ServerSpec, weights: WeightStats,
+                        roofline: dict[str, Any]) -> None:
+    """Add MFU and, at concurrency 1, the bandwidth bound per output token (ms) to ``run``."""
+    run["mfu"] = model_flops_utilisation(
+        run["total_prompt_tokens"], run["total_output_tokens"], weights.non_embedding_params,
+        weights.all_params, run["duration_s"], roofline["peak_matmul_flops"])
+    weight_bytes = weights.all_params * 4 if spec.fp32_weights else weights.weight_bytes
+    run["decode_weight_bytes"] = weight_bytes
+    if run["max_concurrency"] == 1:
+        run["bandwidth_bound_ms_per_token"] = 1000 * decode_bandwidth_bound_s(
+            weight_bytes, roofline["bandwidth_bytes_per_s"])
+
+
+def _row(run: dict[str, Any]) -> str:
+    bound = run.get("bandwidth_bound_ms_per_token")
+    cells = [
+        run["server"], run["scenario"], str(run["num_prompts"]), f"{run['completed']}/{run['failed']}",
+        f"{run['duration_s']:.1f}", f"{run['request_throughput']:.2f}", f"{run['output_throughput']:.1f}",
+        f"{run['total_token_throughput']:.1f}", f"{run['mean_output_tokens']:.0f}",
+        f"{run['p50_ttft_ms']:.0f} / {run['p99_ttft_ms']:.0f}",
+        f"{run['mean_tpot_ms']:.1f} / {run['p50_tpot_ms']:.1f}", f"{run['p50_itl_ms']:.1f}",
+        f"{run['p50_e2el_ms']:.0f} / {run['p99_e2el_ms']:.0f}", f"{100 * run['mfu']:.2f}",
+        f"{bound:.2f}" if bound is not None else "–",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The human-readable report: machine, roofline, scenarios, one table row per run, skips."""
+    machine, roof, weights = report["machine"], report["roofline"], report["model"]
+    bw = roof["bandwidth_bytes_per_s"]
+    flops = " / ".join(f"{f / 1e9:.1f}" for f in roof["matmul_flops"].values())
+    lines = [
+        f"# Serving benchmark, {report['date']}", "",
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
+        f"Python {machine['python']}.",
+        f"Model: {weights['file']} ({weights['all_params'] / 1e6:.1f} M parameters, "
+        f"{weights['non_embedding_params'] / 1e6:.1f} M without embedding; "
+        f"{weights['weight_bytes'] / 1e6:.1f} MB as stored, "
+        f"{4 * weights['all_params'] / 1e6:.1f} MB in fp32).",
+        "",
+        f"Roofline: fp32 matmul at the model's GEMMs, M = {' / '.join(roof['matmul_flops'])} token rows: "
+        f"{flops} GFLOP/s (peak {roof['peak_matmul_flops'] / 1e9:.1f}); memory bandwidth (copy) "
+        f"{bw / 1e9:.1f} GB/s. Batch-1 decode bound: "
+        f"{1000 * decode_bandwidth_bound_s(4 * weights['all_params'], bw):.1f} ms/token with fp32 weights, "
+        f"{1000 * decode_bandwidth_bound_s(weights['weight_bytes'], bw):.1f} ms/token with the GGUF's.",
+        "",
+        "Scenarios:", *[f"- {line}" for line in report["scenarios"]], "",
+        "| server | scenario | prompts | ok/failed | duration s | req/s | out tok/s | total tok/s "
+        "| mean out len | TTFT p50/p99 ms | TPOT mean/p50 ms | ITL p50 ms | E2E p50/p99 ms | MFU % "
+        "| BW bound ms/tok |",
+        "|" + "---|" * 15,
+        *[_row(run) for run in report["runs"]],
+        "",
+        "MFU = (prompt tokens × 2 × non-embedding params + output tokens × 2 × all params) / duration "
+        "/ peak fp32 matmul FLOP/s. llama.cpp computes in its quantized kernels, so its MFU is against "
+        "the same fp32 peak. BW bound = weight bytes a decode step reads / copy bandwidth (concurrency 1 "
+        "only); compare with TPOT. A mean output length under the scenario's means the server stopped "
+        "at EOS. The load generator shares the CPU with the server.",
+    ]
+    if report["skipped"]:
+        lines += ["", "Skipped:", *[f"- {s['server']}: {s['reason']}" for s in report["skipped"]]]
+    return "\n".join(lines) + "\n"
+
+
+def _parse_caps(items: list[str]) -> dict[str, int]:
+    caps = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.isdigit():
+            raise argparse.ArgumentTypeError(f"--prompt-cap wants NAME=N, got {item!r}")
+        caps[name] = int(value)
+    return caps
+
+
+def parse_args(argv: list[str] | None, server_names: list[str]) -> argparse.Namespace:
+    """Command-line options; see ``--help``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", default=",".join(server_names),
+                        help=f"comma-separated subset of {','.join(server_names)}")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts per scenario (overrides all)")
+    parser.add_argument("--prompt-cap", action="append", default=[],
+                        help="NAME=N: at most N prompts per scenario for server NAME (default naive=16)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for a server")
+    parser.add_argument("--roofline-time", type=float, default=0.5, help="seconds per roofline measurement")
+    parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    args.prompt_cap = {"naive": 16} | _parse_caps(args.prompt_cap)
+    args.servers = args.servers.split(",")
+    args.scenarios = args.scenarios.split(",")
+    for name in args.servers:
+        if name not in server_names:
+            parser.error(f"unknown server {name!r}")
+    for name in args.scenarios:
+        if name not in SCENARIOS:
+            parser.error(f"unknown scenario {name!r}")
+    return args
+
+
+def benchmark_server(spec: ServerSpec, scenarios: list[Scenario], datasets: dict[str, list[SyntheticRequest]],
+                     cap: int | None, tokenizer: Tokenizer, startup_timeout_s: float,
+                     log_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Run ``scenarios`` against one server, restarting it only when its command changes.
+
+    Returns:
+        Result records of the runs, and skip notes.
+    """
+    runs: list[dict[str, Any]] = []
+    server: ServerProcess | None = None
+    try:
+        for scenario in scenarios:
+            if server is None or spec.command(server.port, scenario) != server.command:
+                if server is not None:
+                    server.stop()
+                port = free_port()
+                print(f"[{spec.name}] starting for {scenario.name} (log {log_dir})", flush=True)
+                server = ServerProcess(spec.name, spec.command(port, scenario), port, log_dir)
+                why = server.wait_ready(startup_timeout_s)
+                if why is not None:
+                    return runs, [{"server": spec.name, "reason": f"{why}: {server.log_tail()}"}]
+            requests = datasets[scenario.name][:cap]
+            print(f"[{spec.name}] {scenario.describe()} -> {len(requests)} prompts", flush=True)
+            runs.append(run_scenario(server, spec, scenario, requests, tokenizer))
+    finally:
+        if server is not None:
+            server.stop()
+    return runs, []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected servers and scenarios; write ``bench-<UTC time>.md/.json``."""
+    gguf = default_gguf_path()
+    specs = _server_specs(gguf)
+    args = parse_args(argv, list(specs))
+    scenarios = [SCENARIOS[name] for name in args.scenarios]
+    if args.num_prompts is not None:
+        scenarios = [replace(s, num_prompts=args.num_prompts) for s in scenarios]
+    weights = gguf_weight_stats(gguf)
+    tokenizer = load_tokenizer(str(gguf))
+    datasets = {s.name: sample_requests(tokenizer, s.num_prompts, s.input_len,
+                                        (s.output_len, s.output_len), s.seed) for s in scenarios}
+    roofline = measure_roofline(args.roofline_time)
+    print(format_roofline(roofline), flush=True)
+
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
+    runs: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    for name in args.servers:
+        spec = specs[name]
+        reason = spec.missing()
+        if reason is not None:
+            print(f"[{name}] skipped: {reason}", flush=True)
+            skipped.append({"server": name, "reason": reason})
+            continue
+        server_runs, server_skips = benchmark_server(spec, scenarios, datasets, args.prompt_cap.get(name),
+                                                     tokenizer, args.startup_timeout, log_dir)
+        for run in server_runs:
+            add_derived_metrics(run, spec, weights, roofline)
+        for skip in server_skips:
+            print(f"[{name}] skipped: {skip['reason']}", flush=True)
+        runs += server_runs
+        skipped += server_skips
+
+    now = datetime.now(UTC)
+    report = {
+        "date": now.isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu_model(), "cores": num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "model": {"file": gguf.name, **asdict(weights), "non_embedding_params": weights.non_embedding_params},
+        "roofline": roofline,
+        "scenarios": [s.describe() for s in scenarios],
+        "runs": runs,
+        "skipped": skipped,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"bench-{now.strftime('%Y%m%d-%H%M%S')}"
+    markdown = markdown_report(report)
+    stem.with_suffix(".md").write_text(markdown)
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    print(markdown)
+    print(f"wrote {stem}.md and {stem}.json")
+    return 0 if runs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""``AsyncLLM``: the engine on a background thread, driven from an asyncio server.
+
+::
+
+    event loop                                   engine thread
+    generate() -> check -> input queue  ───────►  drain inputs and aborts
+    per-request asyncio.Queue  ◄── call_soon_threadsafe ◄── EngineCore.step()
+
+The engine thread blocks on its input queue when idle (no busy loop) and
+drains every pending add / abort before each ``schedule()``. Detokenization
+and stop-string checks run on the event loop in the ``OutputProcessor``; a
+stop string found there aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineArgs
+from engine.core.engine_core import EngineCore
+from engine.core.scheduler import SchedulerStats
+from engine.output_processor import OutputProcessor, RequestOutputKind
+from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crashed or shut down); no request can run."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting_requests`` allows."""
+
+
+@dataclass
+class _AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass
+class _AbortRequests:
+    request_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+class AsyncLLM:
+    """Asynchronous generation over one ``EngineCore`` running on its own thread.
+
+    Create it with ``await AsyncLLM.create(args)`` inside a running event loop.
+    """
+
+    def __init__(self, engine_core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine_core = engine_core
+        self.args = engine_core.args
+        self.tokenizer = engine_core.tokenizer
+        self.model_name = engine_core.model_name
+        self.max_model_len = engine_core.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._loop = loop
+        self._inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._stats = engine_core.make_stats()
+        self._error: BaseException | None = None
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run_engine_loop, name="engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def create(cls, args: EngineArgs) -> AsyncLLM:
+        """Load the model (in a worker thread, so the loop stays responsive) and start the engine thread."""
+        engine_core = await asyncio.to_thread(EngineCore, args)
+        return cls(engine_core, asyncio.get_running_loop())
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run_engine_loop(self) -> None:
+        core = self.engine_core
+        try:
+            while True:
+                if not core.has_unfinished_requests():
+                    if self._apply(self._inputs.get()):  # idle: block until work arrives
+                        return
+                while True:
+                    try:
+                        item = self._inputs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if self._apply(item):
+                        return
+                outputs = core.step()
+                self._stats = core.make_stats()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+        except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
+            logger.exception("engine thread died")
+            self._error = exc
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+
+    def _apply(self, item: _AddRequest | _AbortRequests | _Stop) -> bool:
+        """Apply one input on the engine thread; True means stop the loop."""
+        if isinstance(item, _Stop):
+            return True
+        if isinstance(item, _AbortRequests):
+            self.engine_core.abort_requests(item.request_ids)
+        else:
+            self.engine_core.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival_time)
+        return False
+
+    # ------------------------------------------------------------------ event loop
+
+    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.reqs_to_abort:
+            self._inputs.put(_AbortRequests(processed.reqs_to_abort))
+        for request_output in processed.request_outputs:
+            stream = self._streams.get(request_output.request_id)
+            if stream is not None:
+                stream.put_nowait(request_output)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = EngineDeadError(f"the engine stopped: {exc!r}")
+        for stream in self._streams.values():
+            stream.put_nowait(error)
+
+    async def generate(self, prompt: str | None, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+                       ) -> AsyncIterator[RequestOutput]:
+        """Run one request and yield its outputs as tokens arrive.
+
+        ``n > 1`` runs as sibling requests that share the prompt's cached KV
+        blocks; ``CompletionOutput.index`` tells them apart. Closing the
+        iterator early (e.g. the client disconnected) aborts the request.
+
+        Raises:
+            ValueError: invalid request (see ``EngineCore.check_request``) or a request id in use.
+            QueueFullError: too many requests waiting.
+            EngineDeadError: the engine is not running.
+        """
+        self._raise_if_unavailable()
+        self.engine_core.check_request(prompt_token_ids, sampling_params)
+        if self._stats.num_waiting_reqs + self._inputs.qsize() >= self.args.max_waiting_requests:
+            raise QueueFullError(f"more than {self.args.max_waiting_requests} requests are waiting; retry later")
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, sampling_params,
+                                                     output_kind)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        arrival_time = time.time()
+        for child_id, child_params in children:
+            self._inputs.put(_AddRequest(child_id, prompt_token_ids, child_params, arrival_time))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._streams[request_id]
+            if not finished:
+                self._abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (and its siblings) and free its KV blocks within one engine step."""
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_requests([request_id])
+        if child_ids:
+            self._inputs.put(_AbortRequests(child_ids))
+
+    def _raise_if_unavailable(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"the engine stopped: {self._error!r}")
+        if not self._accepting:
+            raise EngineDeadError("the server is shutting down")
+
+    # ------------------------------------------------------------------ health and lifecycle
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    def check_health(self) -> bool:
+        """True while the engine thread is alive and accepting requests."""
+        return self._error is None and self._accepting and self._thread.is_alive()
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's state after the latest engine step."""
+        return self._stats
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish within ``timeout_s``, abort the rest, join the thread."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self._streams and time.monotonic() < deadline and not self.errored:
+            await asyncio.sleep(0.05)
+        for request_id in list(self._streams):
+            self._abort(request_id)
+            self._streams[request_id].put_nowait(EngineDeadError("the server shut down"))
+        self._inputs.put(_Stop())
+        await asyncio.to_thread(self._thread.join, timeout_s)

@@ -1,0 +1,25 @@
+"""Rendering chat messages into prompt token ids with the model's own template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+
+def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]],
+                          add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template.
+
+    Exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=...)``.
+
+    Raises:
+        ValueError: when the tokenizer has no chat template.
+    """
+    if not tokenizer.chat_template:
+        raise ValueError("the model's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    # transformers 5 returns a BatchEncoding, 4.x a plain list.
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

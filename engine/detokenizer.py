@@ -1,0 +1,178 @@
+"""Incremental detokenization and stop-string checks for one completion.
+
+Decoding a token alone is wrong for byte-level BPE: a character may be split
+across tokens (each piece alone decodes to U+FFFD). Re-decoding the whole output
+every step is right but costs O(output length) per step. This module uses the
+technique of Hugging Face TGI and vLLM instead: keep a small window of token ids
+whose first part (the *prefix*) has already been turned into text, decode the
+window with and without its unread tail, and emit only the difference. The
+prefix gives the tokenizer the context it needs (leading spaces of SentencePiece
+tokens), and the window moves forward as soon as its text ends on a complete
+character, so each step decodes a handful of tokens whatever the output length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+#: Prompt tokens that prime the window, so the first output token decodes in context.
+PROMPT_CONTEXT_TOKENS = 5
+
+#: What the tokenizer decodes an incomplete (or invalid) UTF-8 byte sequence to.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns the output tokens of one completion into text, a few tokens at a time.
+
+    Attributes:
+        output_token_ids: every output token received, stop strings included.
+        output_text: the text of those tokens, minus a trailing incomplete
+            character (held back until its bytes complete; dropped if they never
+            do), truncated at a matched stop string.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        """Prepares decoding for a request.
+
+        Args:
+            tokenizer: the model's Hugging Face tokenizer.
+            prompt_token_ids: the request's prompt; its last tokens prime the window.
+            params: uses ``skip_special_tokens``, ``stop``, ``include_stop_str_in_output``
+                and ``min_tokens``.
+        """
+        self.tokenizer = tokenizer
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self._skip_special_tokens = params.skip_special_tokens
+        # Skipped tokens never enter the window: it would otherwise grow (and be
+        # re-decoded) for as long as the model emits tokens that decode to nothing.
+        self._skipped_ids = frozenset(
+            token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special
+        ) if params.skip_special_tokens else frozenset()
+        self._stop = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
+        self._min_tokens = params.min_tokens
+        # A streaming client must not see the start of a stop string that may still
+        # complete; when the stop string is kept in the output anyway, that is moot.
+        self._stop_buffer_length = (
+            max(len(s) for s in self._stop) - 1 if self._stop and not self._include_stop else 0)
+        self._stopped = False
+        self._sent_offset = 0  # chars of output_text returned by get_next_output_text(delta=True)
+
+        context = [t for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:] if t not in self._skipped_ids]
+        # A context that starts or ends inside a character would shift the text
+        # differences below; such a prompt tail is rare enough to go without context.
+        if REPLACEMENT_CHAR in self._decode(context):
+            context = []
+        self._window = context
+        self._read_offset = len(context)  # window[:read_offset] is the prefix, already emitted
+        self._emitted_past_prefix = 0  # chars of the unread tail already emitted
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Appends new output tokens, extends ``output_text`` and checks stop strings.
+
+        Costs O(new tokens + longest stop string) whatever the output length.
+
+        Stop strings are only looked for in text that ends after the first
+        ``min_tokens`` output tokens (vLLM's rule), so a match may start in earlier
+        text but not end there. When several stop strings match, the one whose
+        match ends first wins (the one a character-by-character stream would have
+        hit first), and among those the longest.
+
+        Args:
+            new_token_ids: tokens generated since the last call.
+
+        Returns:
+            The matched stop string, after which ``output_text`` has been cut right
+            before it (after it with ``include_stop_str_in_output``); else None.
+
+        Raises:
+            RuntimeError: when called again after a stop string was matched.
+        """
+        if self._stopped:
+            raise RuntimeError("update() called after a stop string ended the output")
+        num_suppressed = max(0, self._min_tokens - len(self.output_token_ids))
+        self._append(new_token_ids[:num_suppressed])
+        check_from = len(self.output_text)
+        self._append(new_token_ids[num_suppressed:])
+        match = self._find_stop(check_from)
+        if match is None:
+            return None
+        stop, start = match
+        self.output_text = self.output_text[:start + len(stop) if self._include_stop else start]
+        self._stopped = True
+        return stop
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """Returns the text to send to the client now.
+
+        While the request runs, the last (longest stop string length - 1)
+        characters are held back so that the start of a stop string never
+        reaches a streaming client.
+
+        Args:
+            finished: the request is complete: nothing is held back.
+            delta: return only text not returned by an earlier ``delta`` call;
+                else the whole text so far.
+
+        Returns:
+            The text (possibly empty).
+        """
+        end = len(self.output_text) if finished else len(self.output_text) - self._stop_buffer_length
+        if not delta:
+            return self.output_text[:max(end, 0)]
+        if end <= self._sent_offset:
+            return ""
+        text = self.output_text[self._sent_offset:end]
+        self._sent_offset = end
+        return text
+
+    def _append(self, token_ids: list[int]) -> None:
+        """Adds tokens and appends the stable part of their text to ``output_text``."""
+        if not token_ids:
+            return
+        self.output_token_ids.extend(token_ids)
+        kept = [t for t in token_ids if t not in self._skipped_ids]
+        if not kept:
+            return
+        self._window.extend(kept)
+        prefix_text = self._decode(self._window[:self._read_offset])
+        window_text = self._decode(self._window)
+        # Trailing U+FFFD comes from a character whose remaining bytes are in
+        # tokens not generated yet: emit what precedes it, hold it back.
+        stable_end = len(window_text.rstrip(REPLACEMENT_CHAR))
+        start = len(prefix_text) + self._emitted_past_prefix
+        if stable_end > start:
+            self.output_text += window_text[start:stable_end]
+            self._emitted_past_prefix += stable_end - start
+        if stable_end == len(window_text) and len(window_text) > len(prefix_text):
+            # The window ends on a complete character: the unread tail becomes the
+            # prefix. A tail that added no text stays unread (as in TGI): some
+            # tokenizers only render such tokens once the next one arrives.
+            self._window = self._window[self._read_offset:]
+            self._read_offset = len(self._window)
+            self._emitted_past_prefix = 0
+
+    def _find_stop(self, check_from: int) -> tuple[str, int] | None:
+        """Finds the first stop string ending after ``output_text[:check_from]``.
+
+        Returns:
+            (stop string, start index in ``output_text``) or None.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stop:
+            start = self.output_text.find(stop, max(0, check_from - len(stop) + 1))
+            if start != -1 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[2], best[1])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)

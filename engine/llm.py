@@ -1,0 +1,103 @@
+"""The offline API, in vLLM's shapes: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.chat_template import chat_prompt_token_ids
+from engine.config import EngineArgs
+from engine.core.engine_core import EngineCore
+from engine.output_processor import OutputProcessor, RequestOutputKind
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+PromptType = str | list[int]
+
+
+class LLM:
+    """Generate text for a batch of prompts, all in one continuous batch.
+
+    Args:
+        model: local HF folder, ``.gguf`` file or hub id; None = the embedded SmolLM2.
+        **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``, ...).
+
+    Raises:
+        ValueError / TypeError: on invalid engine arguments.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine_core = EngineCore(EngineArgs(model=model, **engine_args))
+        self.tokenizer = self.engine_core.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
+            use_tqdm: show a progress bar.
+
+        Returns:
+            One ``RequestOutput`` per prompt, in input order.
+
+        Raises:
+            ValueError: on an invalid prompt (empty, too long) or parameter list length.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        request_ids = []
+        for prompt, request_params in zip(prompts, params_list, strict=True):
+            if isinstance(prompt, str):
+                text, token_ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, token_ids = None, list(prompt)
+            request_ids.append(self._add_request(text, token_ids, request_params))
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [chat_prompt_token_ids(self.tokenizer, c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._request_counter))
+        self.engine_core.check_request(token_ids, params)
+        children = self.output_processor.add_request(request_id, text, token_ids, params,
+                                                     RequestOutputKind.FINAL_ONLY)
+        for child_id, child_params in children:
+            self.engine_core.add_request(child_id, token_ids, child_params)
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as progress:
+            while self.output_processor.has_unfinished_requests():
+                processed = self.output_processor.process_outputs(self.engine_core.step())
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        # Let the worker drop the finished requests' state now rather than at the next call.
+        while self.engine_core.has_unfinished_requests():
+            self.engine_core.step()
+        return [finished[r] for r in request_ids]

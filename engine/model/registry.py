@@ -1,0 +1,102 @@
+"""Model architectures by name, and the interface every model implements.
+
+An architecture is found by the first entry of the HF config's
+``architectures`` list (or, for configs read from GGUF files, which have none,
+by its ``model_type``). Modules are imported lazily so that listing the
+supported architectures costs nothing. Adding an architecture = one module
+with a ``CausalLM`` subclass + one line in ``_ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from engine.model.attention import AttentionMetadata
+
+# architecture name -> "module:class"
+_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "engine.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.model.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "engine.model.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "engine.model.llama:Qwen3ForCausalLM",
+}
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only language model running on the paged KV cache.
+
+    Attributes (read by the model runner to allocate the KV cache and logits):
+        num_layers: decoder layers, i.e. KV cache tensors.
+        num_kv_heads: key/value heads per layer.
+        head_dim: channels per head.
+        vocab_size: rows of the logits.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Run every scheduled token of a step through the decoder.
+
+        Args:
+            input_ids: ``[T]`` int64, the flattened batch (requests back to back, no padding between).
+            positions: ``[T]`` int64 absolute position of each token in its request.
+            kv_caches: one tensor per layer, each ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
+                this step's keys and values are written into them.
+            attn_metadata: the step's layout (``slot_mapping``, block table, ...).
+
+        Returns:
+            ``[T, hidden_size]`` final hidden states (after the last norm).
+        """
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors, named as in the HF checkpoint, into the parameters.
+
+        Raises:
+            ValueError: on a name the model does not know, or when parameters are left unloaded.
+        """
+
+    @abstractmethod
+    def checkpoint_weight_names(self) -> list[str]:
+        """HF checkpoint names ``load_weights`` expects, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+
+
+def supported_architectures() -> list[str]:
+    """Names of the architectures ``model_class`` accepts."""
+    return sorted(_ARCHITECTURES)
+
+
+def architecture_name(hf_config: PretrainedConfig) -> str:
+    """The architecture a config describes: ``architectures[0]``, else derived from ``model_type``."""
+    if hf_config.architectures:
+        return hf_config.architectures[0]
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf_config.model_type, hf_config.model_type)
+
+
+def model_class(hf_config: PretrainedConfig) -> type[CausalLM]:
+    """The ``CausalLM`` subclass implementing a config's architecture.
+
+    Raises:
+        ValueError: when the architecture is not supported; the message lists those that are.
+    """
+    name = architecture_name(hf_config)
+    if name not in _ARCHITECTURES:
+        raise ValueError(f"unsupported model architecture {name!r}; supported: {supported_architectures()}")
+    module_name, class_name = _ARCHITECTURES[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

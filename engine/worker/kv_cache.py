@@ -1,0 +1,56 @@
+"""Sizing and allocating the paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: KV cache size on CPU when ``kv_cache_memory_bytes`` is not given.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+
+
+def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                             dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (keys and values)."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
+    """Blocks that fit in ``memory_bytes``.
+
+    Raises:
+        ValueError: when fewer than 2 blocks fit (block 0 is reserved).
+    """
+    num_blocks = memory_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(f"KV cache memory of {memory_bytes} bytes holds {num_blocks} blocks of "
+                         f"{bytes_per_block} bytes; at least 2 are needed")
+    return int(num_blocks)
+
+
+def available_cuda_kv_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache on a CUDA device after weights and activations.
+
+    Call after the weights are loaded and a profiling forward at the largest
+    step has run, so the allocator's peak includes activations.
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    current = torch.cuda.memory_allocated(device)
+    # Memory used outside torch's allocator (other processes, the CUDA context) counts against the budget.
+    non_torch = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * gpu_memory_utilization) - non_torch - peak
+    logger.info("CUDA memory: total %.2f GiB, free %.2f GiB, weights %.2f GiB, activation peak %.2f GiB, "
+                "KV cache budget %.2f GiB", total / 2**30, free / 2**30, current / 2**30,
+                (peak - current) / 2**30, budget / 2**30)
+    return budget
+
+
+def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer (zeros)."""
+    return [torch.zeros((2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)]

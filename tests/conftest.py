@@ -1,0 +1,154 @@
+"""Fixtures that serve the real app on loopback ports.
+
+One daemon thread runs an event loop holding every uvicorn server of the test
+session. ``served`` is the main app: its lifespan loads the embedded SmolLM2
+once per session. ``serve_app`` builds more apps around that same ``AsyncLLM``
+(API key, small body limit) at no extra load; ``serve_fresh_engine`` starts an
+app with an engine of its own, for tests that break it. Tests talk HTTP to the
+servers and read engine state in-process (``served.engine.get_stats()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs
+from server.app import ServerArgs, build_app
+
+#: Small enough to start fast on a shared 2-core machine.
+TEST_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": "256MiB"}
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Served:
+    """A running app: its base URL, the app, and what stops it."""
+
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+    done: Future
+
+    @property
+    def engine(self) -> AsyncLLM:
+        return self.app.state.engine
+
+
+class ServerLoop:
+    """An event loop on a daemon thread that runs uvicorn servers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-servers", daemon=True)
+        self.thread.start()
+
+    def start(self, app: FastAPI) -> Served:
+        """Serve ``app`` on a free loopback port; returns once its lifespan has started.
+
+        Raises:
+            RuntimeError: when the server stops or times out before it starts.
+        """
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        done = asyncio.run_coroutine_threadsafe(server.serve(), self.loop)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not server.started:
+            if done.done() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start; see the log above")
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        return Served(f"http://127.0.0.1:{port}", app, server, done)
+
+    def stop(self, served: Served) -> None:
+        served.server.should_exit = True
+        served.done.result(timeout=120)
+
+    def close(self) -> None:
+        """Cancel what the servers left running (e.g. sse-starlette's shutdown watcher), stop the loop."""
+        async def cancel_leftovers() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_leftovers(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def server_loop() -> Iterator[ServerLoop]:
+    loop = ServerLoop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def served(server_loop: ServerLoop) -> Iterator[Served]:
+    """The main app, with the engine its lifespan created."""
+    served = server_loop.start(build_app(EngineArgs(**TEST_ENGINE_ARGS)))
+    yield served
+    server_loop.stop(served)
+
+
+@pytest.fixture(scope="session")
+def serve_app(server_loop: ServerLoop, served: Served) -> Iterator[Callable[[ServerArgs], Served]]:
+    """Serve another app around the main app's engine, with other ``ServerArgs``."""
+    started: list[Served] = []
+
+    def start(server_args: ServerArgs) -> Served:
+        started.append(server_loop.start(build_app(server_args=server_args, engine=served.engine)))
+        return started[-1]
+
+    yield start
+    for app in started:
+        server_loop.stop(app)
+
+
+@pytest.fixture(scope="module")
+def serve_fresh_engine(server_loop: ServerLoop) -> Iterator[Callable[..., Served]]:
+    """Serve an app whose lifespan creates (and, after the module, shuts down) its own engine."""
+    started: list[Served] = []
+
+    def start(**engine_args: object) -> Served:
+        started.append(server_loop.start(build_app(EngineArgs(**engine_args))))
+        return started[-1]
+
+    yield start
+    for app in started:
+        server_loop.stop(app)
+
+
+@pytest.fixture(scope="session")
+def client(served: Served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def openai_client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+
+
+def sse_payloads(lines: Iterable[str]) -> list[Any]:
+    """The data of each server-sent event in ``lines``: parsed JSON, or the string ``[DONE]``."""
+    payloads = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            payloads.append(data if data == "[DONE]" else json.loads(data))
+    return payloads

@@ -1,0 +1,158 @@
+"""The offline ``LLM`` on real weights: greedy output equals transformers' ``generate``
+token for token (fp32, CPU), also under batching, chunked prefill, prefix caching,
+preemption and a small ``max_num_seqs``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+
+PROMPT_LENGTHS = [5, 17, 40, 96, 150, 260, 420, 600]
+MAX_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden screw press into a practical system. "
+    "Within decades, print shops spread across Europe, books became cheaper, and literacy rose. "
+    "Scholars could compare identical copies of texts, which changed how knowledge was checked and "
+    "shared. Newspapers, pamphlets and scientific journals followed, and the pace of ideas quickened. "
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    path = embedded_gguf_path()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    ids = tokenizer.encode(TEXT * 12)
+    # Different starting offsets so the prompts share no prefix.
+    return [ids[i * 7:i * 7 + n] for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def hf_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    outputs = []
+    for ids in prompt_ids:
+        input_ids = torch.tensor([ids])
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> list[list[int]]:
+    """transformers' greedy continuation of every prompt, one at a time."""
+    path = embedded_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        result = hf_greedy(model, prompts, MAX_TOKENS)
+    del model
+    gc.collect()
+    return result
+
+
+def run_llm(prompts, **engine_args):
+    llm = LLM(max_model_len=1024, **engine_args)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outputs]
+    finally:
+        gc.collect()
+
+
+def assert_same_tokens(actual: list[list[int]], expected: list[list[int]]) -> None:
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        assert a == e, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverges at token " \
+                       f"{next(k for k, (x, y) in enumerate(zip(a, e, strict=False)) if x != y)}"
+
+
+def test_batched_greedy_matches_transformers_and_second_pass_hits_prefix_cache(prompts, reference):
+    llm, first = run_llm(prompts, kv_cache_memory_bytes="256MiB")
+    assert_same_tokens(first, reference)
+    stats = llm.engine_core.make_stats()
+    queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_same_tokens(second, reference)
+    stats = llm.engine_core.make_stats()
+    second_queries, second_hits = stats.prefix_cache_queries - queries, stats.prefix_cache_hits - hits
+    assert second_hits / second_queries > 0.9
+
+
+def test_chunked_prefill_matches_transformers(prompts, reference):
+    _, actual = run_llm(prompts, long_prefill_token_threshold=64, max_num_batched_tokens=256,
+                        kv_cache_memory_bytes="256MiB")
+    assert_same_tokens(actual, reference)
+
+
+def test_preemption_matches_transformers(prompts, reference):
+    # 44 usable blocks = 704 tokens: the first six prompts fill 39 blocks and
+    # their decodes need 12 more, so running requests must be preempted.
+    llm, actual = run_llm(prompts, num_gpu_blocks_override=45)
+    assert llm.engine_core.make_stats().num_preemptions > 0
+    assert_same_tokens(actual, reference)
+
+
+def test_max_num_seqs_3_matches_transformers(prompts, reference):
+    _, actual = run_llm(prompts, max_num_seqs=3, kv_cache_memory_bytes="256MiB")
+    assert_same_tokens(actual, reference)
+
+
+def test_shared_prefix_prompts_match_transformers(tokenizer):
+    """Prompts sharing a 300-token prefix: later ones start from cached blocks in the same batch."""
+    path = embedded_gguf_path()
+    prefix = tokenizer.encode(TEXT * 4)[:300]
+    prompts = [prefix + tokenizer.encode(f" Question {i}: what happened next?") for i in range(4)]
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf_greedy(model, prompts, 16)
+    del model
+    llm = LLM(max_model_len=1024, kv_cache_memory_bytes="128MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    first = llm.generate(prompts[:1], params, use_tqdm=False)
+    rest = llm.generate(prompts[1:], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first + rest] == expected
+    assert all(o.num_cached_tokens == 288 for o in rest)  # 18 full blocks of the shared prefix
+
+
+def test_chat_answers_paris():
+    llm = LLM(max_model_len=1024, kv_cache_memory_bytes="64MiB")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_seeded_request_same_alone_and_in_full_batch():
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes="64MiB")
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = ["A recipe for bread:", "Once upon a time", "def main():", "The weather today"] * 2
+    params = [others, seeded, others, others, others, others, others, others]
+    batch = llm.generate(prompts, params, use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate(["Once upon a time"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == alone
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "llama"])
+def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path, tokenizer):
+    hf = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=model_type == "qwen3")
+    tokenizer.save_pretrained(tmp_path)  # any tokenizer will do: prompts are token ids below 256
+    prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(n)] for i, n in enumerate([3, 20, 45, 70])]
+    with torch.inference_mode():
+        expected = hf_greedy(hf, prompts, 16)
+    llm = LLM(str(tmp_path), max_model_len=128, block_size=16, long_prefill_token_threshold=32,
+              kv_cache_memory_bytes="8MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    actual = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert actual == expected

@@ -1,0 +1,174 @@
+"""Our models and loader against transformers: same logits, same greedy tokens.
+
+SmolLM2 (the embedded Q4_1 GGUF) is loaded once for the module, by us and by
+transformers; the other family members are tiny random checkpoints written
+with ``save_pretrained`` and read back through ``load_model``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from engine.model.loader import (
+    EMBEDDED_GGUF_FILE,
+    ModelSource,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
+from engine.model.registry import CausalLM, supported_architectures
+from tests.model_fixtures import (
+    TINY_ARCHITECTURES,
+    build_metadata,
+    embedded_gguf_path,
+    step_positions,
+    tiny_hf_model,
+)
+
+BLOCK_SIZE = 16
+CPU = torch.device("cpu")
+
+
+@torch.inference_mode()
+def greedy_generate(model: CausalLM, prompt: list[int], max_new_tokens: int, prefill_chunk: int | None = None
+                    ) -> list[int]:
+    """Greedy decoding of one request on a paged cache, the way the model runner drives the model.
+
+    The prompt runs in chunks of ``prefill_chunk`` tokens (all at once when
+    None); then each step feeds the last sampled token. Blocks are taken in
+    reverse order so the request's blocks are not contiguous.
+    """
+    total = len(prompt) + max_new_tokens
+    num_blocks = -(-total // BLOCK_SIZE) + 1
+    kv_caches = [torch.zeros(2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+                 for _ in range(model.num_layers)]
+    blocks = list(range(num_blocks - 1, 0, -1))
+    tokens, computed = list(prompt), 0
+    while len(tokens) < total:
+        step = len(tokens) - computed if prefill_chunk is None else min(prefill_chunk, len(tokens) - computed)
+        metadata = build_metadata([blocks], [computed], [step], BLOCK_SIZE)
+        positions = torch.from_numpy(step_positions([computed], [step]))
+        hidden = model(torch.tensor(tokens[computed:computed + step]), positions, kv_caches, metadata)
+        computed += step
+        if computed == len(tokens):  # a partial prefill chunk samples nothing
+            tokens.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+    return tokens[len(prompt):]
+
+
+@torch.inference_mode()
+def assert_prefill_logits_match(ours: CausalLM, theirs: torch.nn.Module, prompt: list[int]) -> None:
+    """Logits of a whole prompt in one step: max abs difference within 1e-4 of the largest reference logit."""
+    ids = torch.tensor(prompt)
+    num_blocks = -(-len(ids) // BLOCK_SIZE)
+    kv_caches = [torch.zeros(2, num_blocks + 1, BLOCK_SIZE, ours.num_kv_heads, ours.head_dim)
+                 for _ in range(ours.num_layers)]
+    metadata = build_metadata([list(range(num_blocks, 0, -1))], [0], [len(ids)], BLOCK_SIZE)
+    logits = ours.compute_logits(ours(ids, torch.arange(len(ids)), kv_caches, metadata))
+    expected = theirs(ids[None]).logits[0]
+    error = (logits - expected).abs().max() / expected.abs().max()
+    assert error <= 1e-4, f"relative logit error {error:.2e}"
+
+
+# --- SmolLM2 from the embedded GGUF ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
+    """(our model, transformers' model, a chat prompt's token ids)."""
+    source = resolve_model_path(None)
+    ours = load_model(source, load_hf_config(source), torch.float32, CPU)
+    theirs = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                                  dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(source)
+    messages = [{"role": "user", "content": "Tell me a story about a brave dragon."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return ours, theirs, tokenizer(text)["input_ids"]
+
+
+def test_smollm2_prefill_logits_match_transformers(smollm2) -> None:
+    assert_prefill_logits_match(*smollm2)
+
+
+def test_smollm2_greedy_decode_matches_transformers_generate(smollm2) -> None:
+    ours, theirs, prompt = smollm2
+    with torch.inference_mode():
+        output = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+    expected = output[0, len(prompt):]
+
+    assert len(expected) == 16
+    assert greedy_generate(ours, prompt, 16) == expected.tolist()
+
+
+# --- tiny random members of the family ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", sorted(TINY_ARCHITECTURES))
+def test_tiny_model_greedy_decode_matches_transformers(model_type: str, tie_word_embeddings: bool,
+                                                       tmp_path) -> None:
+    theirs = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=tie_word_embeddings)
+    source = resolve_model_path(str(tmp_path))
+    ours = load_model(source, load_hf_config(source), torch.float32, CPU)
+    prompt = torch.randint(3, 256, (11,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                   eos_token_id=None)[0, len(prompt):].tolist()
+
+    assert_prefill_logits_match(ours, theirs, prompt)
+    assert len(expected) == 16
+    assert greedy_generate(ours, prompt, 16) == expected
+    assert greedy_generate(ours, prompt, 16, prefill_chunk=4) == expected
+
+
+# --- errors and paths ---------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture_lists_supported_ones(tmp_path) -> None:
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)
+    config.architectures = ["GPT2LMHeadModel"]
+
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as excinfo:
+        load_model(ModelSource(str(tmp_path), None, "gpt2"), config, torch.float32, CPU)
+    for name in supported_architectures():
+        assert name in str(excinfo.value)
+
+
+def test_checkpoint_missing_a_weight_is_rejected(tmp_path) -> None:
+    model = tiny_hf_model("qwen2", tmp_path, tie_word_embeddings=True)
+    state = {k: v for k, v in model.state_dict().items() if "layers.1.self_attn.k_proj.bias" not in k}
+    model.save_pretrained(tmp_path, state_dict=state)
+    source = resolve_model_path(str(tmp_path))
+
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_model(source, load_hf_config(source), torch.float32, CPU)
+
+
+def test_model_paths_resolve(tmp_path) -> None:
+    embedded = resolve_model_path(None)
+    assert (embedded.path, embedded.gguf_file) == (str(embedded_gguf_path().parent), EMBEDDED_GGUF_FILE)
+    gguf = resolve_model_path(str(embedded_gguf_path()))
+    assert (gguf.path, gguf.gguf_file, gguf.display_name) == (embedded.path, EMBEDDED_GGUF_FILE,
+                                                              "SmolLM2-135M-Instruct.Q4_1")
+    folder = resolve_model_path(str(tmp_path))
+    assert (folder.path, folder.gguf_file, folder.display_name) == (str(tmp_path), None, tmp_path.name)
+
+
+@pytest.mark.parametrize("model", ["./no/such/folder", "/no/such/model.gguf",
+                                   "pagedserve-test/no-such-model-anywhere"])
+def test_missing_models_raise_value_error(model: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(model))):
+        resolve_model_path(model)
+
+
+def test_resolve_dtype() -> None:
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("int8", torch.device("cpu"))

@@ -1,0 +1,220 @@
+"""Refused requests: every one gets its status and OpenAI's error shape, and nothing else is disturbed.
+
+Also access control (API key, CORS), the body-size limit, the waiting-queue
+limit (429) and an engine that dies under load (503, no hang).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from server.app import ServerArgs
+from tests.conftest import Served, sse_payloads
+
+LONG_PROMPT = [19556] * 2100  # token ids, more than max_model_len (2048)
+USER = [{"role": "user", "content": "Hi"}]
+
+# (path, body, status, param): param None = the error names no field.
+INVALID_REQUESTS = [
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1.5]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, None),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
+     "response_format.type"),
+    ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("/tokenize", {}, 400, None),
+    ("/tokenize", {"prompt": "a", "messages": USER}, 400, None),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    """Check the status and OpenAI's error shape; returns the ``error`` object."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert list(body) == ["error"] and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    assert body["error"]["param"] == param
+    return body["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body", "status", "param"), INVALID_REQUESTS)
+def test_invalid_request_gets_its_status_and_the_openai_error_shape(
+        client: httpx.Client, served: Served, path: str, body: dict[str, Any], status: int, param: str | None,
+        stream: bool) -> None:
+    if stream and not path.startswith("/v1/"):
+        pytest.skip("only the generation endpoints stream")
+    assert_openai_error(client.post(path, json={**body, "stream": stream} if stream else body), status, param)
+    assert not served.engine.errored
+
+
+def test_context_length_error_gives_both_numbers(client: httpx.Client) -> None:
+    response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 5000})
+    error = assert_openai_error(response, 400, "max_tokens")
+    assert "maximum context length is 2048 tokens" in error["message"]
+    assert "(1 in the messages, 5000 in the completion)" in error["message"]
+
+
+@pytest.mark.parametrize(("content", "param"), [(b"{not json", None), (b"[1, 2]", None), (b"", None)])
+def test_malformed_bodies_are_400(client: httpx.Client, content: bytes, param: str | None) -> None:
+    response = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, param)
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("PUT", "/v1/completions", 405), ("GET", "/v1/chat/completions", 405), ("GET", "/v2/nothing", 404)])
+def test_wrong_method_or_route(client: httpx.Client, method: str, path: str, status: int) -> None:
+    assert_openai_error(client.request(method, path), status)
+
+
+def test_invalid_requests_do_not_disturb_a_running_stream(client: httpx.Client, served: Served) -> None:
+    body = {"prompt": "A list of rivers:", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    expected = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with httpx.Client(base_url=served.url, timeout=120) as other:
+        with other.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            for path, invalid, status, _ in INVALID_REQUESTS:
+                assert client.post(path, json=invalid).status_code == status
+            events = sse_payloads([first, *lines])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == expected
+    assert client.get("/health").status_code == 200
+
+
+# --------------------------------------------------------------------------- access and limits
+
+
+def test_api_key_guards_the_api_but_not_health_or_version(serve_app: Any) -> None:
+    app = serve_app(ServerArgs(api_key="sekret"))
+    body = {"prompt": "Hi", "max_tokens": 2}
+    with httpx.Client(base_url=app.url, timeout=120) as http:
+        error = assert_openai_error(http.post("/v1/completions", json=body), 401)
+        assert error["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer guess"}
+        assert_openai_error(http.post("/v1/completions", json=body, headers=wrong), 401)
+        right = {"Authorization": "Bearer sekret"}
+        assert http.post("/v1/completions", json=body, headers=right).status_code == 200
+        for method, path in [("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/detokenize")]:
+            assert_openai_error(http.request(method, path, json={"prompt": "a", "tokens": [1]}), 401)
+        assert http.get("/health").status_code == 200 and http.get("/version").status_code == 200
+
+    sdk = openai.OpenAI(base_url=f"{app.url}/v1", api_key="sekret", max_retries=0)
+    assert sdk.completions.create(model="", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{app.url}/v1", api_key="guess", max_retries=0).models.list()
+
+
+def test_cors_is_off_by_default_and_on_for_allowed_origins(client: httpx.Client, serve_app: Any) -> None:
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in client.get("/v1/models", headers={"Origin": "http://ui.example"}
+                                                           ).headers
+    app = serve_app(ServerArgs(allowed_origins=["http://ui.example"], api_key="sekret"))
+    response = httpx.options(f"{app.url}/v1/completions", headers=preflight)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_oversized_bodies_are_413_declared_or_streamed(serve_app: Any) -> None:
+    app = serve_app(ServerArgs(max_request_body_bytes=1024))
+    big = b'{"prompt": "' + b"a" * 2000 + b'"}'
+    with httpx.Client(base_url=app.url, timeout=60, headers={"content-type": "application/json"}) as http:
+        error = assert_openai_error(http.post("/tokenize", content=big), 413)
+        assert error["code"] == "request_too_large" and "1024" in error["message"]
+        # No Content-Length: the middleware counts the chunks as they arrive.
+        chunked = (big[i:i + 256] for i in range(0, len(big), 256))
+        assert_openai_error(http.post("/tokenize", content=chunked), 413)
+        assert http.post("/tokenize", content=b'{"prompt": "small"}').status_code == 200
+
+
+# --------------------------------------------------------------------------- queue limit and engine failure
+
+
+@pytest.fixture(scope="module")
+def fragile(serve_fresh_engine: Any) -> Served:
+    """An engine of its own that runs one request at a time and lets one wait; its tests may break it."""
+    return serve_fresh_engine(max_model_len=256, kv_cache_memory_bytes="32MiB", max_num_seqs=1,
+                              max_waiting_requests=1)
+
+
+def wait_for_waiting_requests(served: Served, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while served.engine.get_stats().num_waiting_reqs != count:
+        assert time.monotonic() < deadline, served.engine.get_stats()
+        time.sleep(0.02)
+
+
+def post_in_background(pool: ThreadPoolExecutor, url: str, body: dict[str, Any]) -> Any:
+    return pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_full_waiting_queue_gives_429(fragile: Served) -> None:
+    running = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=fragile.url, timeout=120) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", "/v1/completions", json=running) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: "))
+            waiting = post_in_background(pool, fragile.url, {"prompt": "Hi", "max_tokens": 2})
+            wait_for_waiting_requests(fragile, 1)
+            for stream_flag in (False, True):
+                response = http.post("/v1/completions", json={"prompt": "Hi", "stream": stream_flag})
+                assert assert_openai_error(response, 429)["code"] == "queue_full"
+        # The stream's client left: its request is aborted and the waiting one runs.
+        assert waiting.result(timeout=120).status_code == 200
+
+
+def test_engine_failure_ends_in_flight_requests_with_errors(fragile: Served) -> None:
+    running = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    crashed = threading.Event()
+
+    def broken_execute_model(*args: Any, **kwargs: Any) -> Any:
+        crashed.set()
+        raise RuntimeError("injected failure")
+
+    with httpx.Client(base_url=fragile.url, timeout=120) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", "/v1/completions", json=running) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            waiting = post_in_background(pool, fragile.url, {"prompt": "Hi", "max_tokens": 2})
+            wait_for_waiting_requests(fragile, 1)
+            fragile.engine.engine_core.model_runner.execute_model = broken_execute_model
+            events = sse_payloads([first, *lines])
+        assert crashed.is_set()
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"
+        assert_openai_error(waiting.result(timeout=120), 503)
+        assert_openai_error(http.get("/health"), 503)
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "Hi"}), 503)
+        assert_openai_error(http.post("/v1/completions", json={"prompt": "Hi", "stream": True}), 503)
