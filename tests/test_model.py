@@ -13,9 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from engine.chat_template import chat_prompt_token_ids
 from engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
+    gguf_cache_folder,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -172,3 +174,21 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_gguf_cache_folder_holds_the_same_model(smollm2, tmp_path, monkeypatch):
+    """The HF folder converted from the GGUF gives the same weights, config and tokenizer."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    ours = smollm2[0]
+    gguf = resolve_model_path(None)
+    cached = gguf_cache_folder(gguf)
+    assert cached.gguf_file is None and cached.display_name == gguf.display_name
+    assert gguf_cache_folder(gguf) == cached  # converted once, then reused
+    config = load_hf_config(cached)
+    reloaded = load_model(cached, config, torch.float32, CPU)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), reloaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    messages = [{"role": "user", "content": "Tell me a story about a brave dragon 🐉 in 中文."}]
+    tokenizers = load_tokenizer(cached), load_tokenizer(gguf)
+    assert len({tuple(chat_prompt_token_ids(t, messages)) for t in tokenizers}) == 1
+    assert config.max_position_embeddings == load_hf_config(gguf).max_position_embeddings

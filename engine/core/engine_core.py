@@ -14,7 +14,14 @@ import torch
 
 from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core.scheduler import Scheduler, SchedulerStats
-from engine.model.loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model_path
+from engine.model.loader import (
+    gguf_cache_folder,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -25,7 +32,7 @@ from engine.worker.kv_cache import (
     kv_cache_bytes_per_block,
     num_blocks_for_memory,
 )
-from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import ModelRunner, profile_forward
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        source = resolve_model_path(args.model)
+        source = gguf_cache_folder(resolve_model_path(args.model))
         self.model_name = args.served_model_name or source.display_name
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
@@ -65,12 +72,14 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(args)
         if args.seed is not None:
             torch.manual_seed(args.seed)
-        model = load_model(source, self.hf_config, dtype, self.device)
+        attn_backend = "triton" if self.device.type == "cuda" else "torch"
+        model = load_model(source, self.hf_config, dtype, self.device, attn_backend=attn_backend)
         self.vocab_size = model.vocab_size
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(self.hf_config, "eos_token_id", None)
 
-        num_blocks = self._num_kv_blocks(model, dtype)
+        max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        num_blocks = self._num_kv_blocks(model, dtype, max_num_batched_tokens)
         kv_caches = allocate_kv_caches(model.num_layers, num_blocks, args.block_size, model.num_kv_heads,
                                        model.head_dim, dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB), max %.1f requests of max_model_len",
@@ -78,10 +87,9 @@ class EngineCore:
                     num_blocks * kv_cache_bytes_per_block(model.num_layers, args.block_size, model.num_kv_heads,
                                                           model.head_dim, dtype) / 2**20,
                     (num_blocks - 1) * args.block_size / self.max_model_len)
-        max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
         self.model_runner = ModelRunner(model, kv_caches, args.max_num_seqs, self.max_model_len,
                                         max_num_batched_tokens, args.block_size, self.vocab_size, self.device,
-                                        args.seed)
+                                        args.seed, args.enforce_eager)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, max_num_batched_tokens, self.max_model_len,
                             args.long_prefill_token_threshold),
@@ -98,7 +106,7 @@ class EngineCore:
                              f"max_position_embeddings {model_max}")
         return args.max_model_len
 
-    def _num_kv_blocks(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
+    def _num_kv_blocks(self, model: torch.nn.Module, dtype: torch.dtype, max_num_batched_tokens: int) -> int:
         args = self.args
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
@@ -107,6 +115,10 @@ class EngineCore:
         if args.kv_cache_memory_bytes is not None:
             memory = args.kv_cache_memory_bytes
         elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            profile_forward(model, max_num_batched_tokens, args.max_num_seqs, self.max_model_len, args.block_size,
+                            dtype, self.device)
+            torch.cuda.empty_cache()
             memory = available_cuda_kv_bytes(self.device, args.gpu_memory_utilization)
         else:
             memory = DEFAULT_CPU_KV_CACHE_BYTES

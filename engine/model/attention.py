@@ -10,6 +10,7 @@ can replace the torch reference without touching the models.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,8 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+# Built-in backends, imported on first use so that a CPU server never imports triton.
+_BUILTIN_MODULES = {"torch": "engine.model.torch_attention", "triton": "engine.model.triton_attention"}
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
@@ -100,8 +103,10 @@ def get_attention_backend(name: str) -> AttentionBackend:
     """Instantiate the backend registered as ``name``.
 
     Raises:
-        ValueError: when no backend has that name.
+        ValueError: when no backend has that name (or its dependencies, e.g. triton, are missing).
     """
+    if name not in _BACKENDS and name in _BUILTIN_MODULES:
+        importlib.import_module(_BUILTIN_MODULES[name])
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+        raise ValueError(f"attention backend {name!r} is not available; registered: {sorted(_BACKENDS)}")
     return _BACKENDS[name]()

@@ -13,6 +13,7 @@ import torch
 from engine.core.scheduler_output import SchedulerOutput
 from engine.model.attention import AttentionMetadata
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sampler import Sampler, compute_logprobs_tensors
 
@@ -53,11 +54,12 @@ class ModelRunner:
         vocab_size: logits width.
         device: where the model runs.
         seed: seeds the global generator used by unseeded random requests.
+        enforce_eager: on CUDA, never replay CUDA graphs.
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_num_reqs: int,
                  max_model_len: int, max_num_batched_tokens: int, block_size: int, vocab_size: int,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, enforce_eager: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
@@ -70,6 +72,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.arange_np = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         torch.manual_seed(seed)
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if device.type == "cuda" and not enforce_eager:
+            self.cuda_graphs = CudaGraphRunner(
+                lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md), capture_sizes(max_num_reqs),
+                self.input_batch.block_table.block_table.shape[1], max_model_len, device)
+            self.cuda_graphs.capture()
 
     # ------------------------------------------------------------------ state
 
@@ -177,7 +185,7 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         inputs = self._prepare_inputs(so)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        hidden_states = self._forward(inputs)
 
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
@@ -207,6 +215,16 @@ class ModelRunner:
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs)
 
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """``[T, hidden_size]``: a replayed CUDA graph for decode-only steps, else eager."""
+        metadata = inputs.attn_metadata
+        if self.cuda_graphs is not None and metadata.max_query_len == 1:
+            hidden_states = self.cuda_graphs.run(inputs.input_ids, inputs.positions, metadata.slot_mapping,
+                                                 metadata.seq_lens, metadata.block_table)
+            if hidden_states is not None:
+                return hidden_states
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+
     def _compute_prompt_logprobs(self, hidden_states: torch.Tensor, inputs: StepInputs,
                                  req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of the prompt tokens this step computes, for requests that ask for them.
@@ -232,3 +250,38 @@ class ModelRunner:
                 entries += compute_logprobs_tensors(logprobs, targets, k).to_lists([k] * (last - first))
             result[req_id] = entries
         return result
+
+
+@torch.inference_mode()
+def profile_forward(model: torch.nn.Module, num_tokens: int, num_seqs: int, max_model_len: int,
+                    block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Run the largest step the engine will ever run, so the allocator's peak includes activations.
+
+    ``num_tokens`` prompt tokens are split into up to ``num_seqs`` sequences of at
+    most ``max_model_len - 1`` tokens, against a throwaway KV cache just large
+    enough for them; logits are computed for ``num_seqs`` rows as the sampler would.
+    """
+    seq_len = max(1, min(max_model_len - 1, -(-num_tokens // num_seqs)))
+    query_lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+    blocks_per_seq = -(-seq_len // block_size)
+    num_blocks = blocks_per_seq * len(query_lens) + 1
+    kv_caches = [torch.zeros((2, num_blocks, block_size, model.num_kv_heads, model.head_dim), dtype=dtype,
+                             device=device) for _ in range(model.num_layers)]
+    query_lens_np = np.array(query_lens, dtype=np.int64)
+    req_indices = np.repeat(np.arange(len(query_lens)), query_lens_np)
+    cu = np.cumsum(query_lens_np)
+    positions = np.arange(num_tokens) - np.repeat(cu - query_lens_np, query_lens_np)
+    block_table = 1 + np.arange(len(query_lens) * blocks_per_seq, dtype=np.int32).reshape(len(query_lens), -1)
+    slot_mapping = block_table[req_indices, positions // block_size].astype(np.int64) * block_size + \
+        positions % block_size
+    query_start_loc = np.concatenate([[0], cu]).astype(np.int32)
+    metadata = AttentionMetadata(
+        num_actual_tokens=num_tokens, query_start_loc=torch.from_numpy(query_start_loc).to(device),
+        seq_lens=torch.from_numpy(query_lens_np.astype(np.int32)).to(device),
+        block_table=torch.from_numpy(block_table).to(device), slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        max_query_len=max(query_lens), max_seq_len=max(query_lens), query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=query_lens_np.astype(np.int32))
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden_states = model(input_ids, torch.from_numpy(positions).to(device), kv_caches, metadata)
+    model.compute_logits(hidden_states[:num_seqs])
+    del kv_caches, hidden_states

@@ -1,0 +1,71 @@
+"""EngineCore wiring: device selection, profiling forward, abort and cleanup steps (tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineArgs
+from engine.core.engine_core import EngineCore, resolve_device
+from engine.model.loader import load_hf_config, load_model, resolve_model_path
+from engine.sampling_params import SamplingParams
+from engine.worker.model_runner import profile_forward
+from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_hf_model("llama", folder, tie_word_embeddings=False)
+    path = embedded_gguf_path()
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback")
+def test_auto_device_picks_cpu_without_cuda(tiny_folder):
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    core = EngineCore(EngineArgs(model=tiny_folder, device="auto", max_model_len=128, kv_cache_memory_bytes="4MiB"))
+    assert core.device.type == "cpu" and core.model_runner.cuda_graphs is None
+    assert next(core.model_runner.model.parameters()).dtype == torch.float32
+
+
+def test_profile_forward_runs_the_largest_step(tiny_folder):
+    source = resolve_model_path(tiny_folder)
+    model = load_model(source, load_hf_config(source), torch.float32, torch.device("cpu"))
+    profile_forward(model, num_tokens=300, num_seqs=4, max_model_len=128, block_size=16, dtype=torch.float32,
+                    device=torch.device("cpu"))
+
+
+def test_abort_is_applied_and_reported_in_a_cleanup_step(tiny_folder):
+    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB"))
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    core.add_request("a", [5, 6, 7, 8], params)
+    core.add_request("b", [9, 10, 11], params)
+    core.step()
+    core.abort_requests(["a"])
+    assert core.scheduler.kv_cache_manager.get_block_ids("a") == []
+    outputs = core.step()
+    assert {o.request_id for o in outputs} == {"b"}
+    assert "a" not in core.model_runner.requests
+    core.abort_requests(["b"])
+    assert core.has_unfinished_requests()  # the worker still has to hear about "b"
+    assert core.step() == []
+    assert not core.has_unfinished_requests() and core.model_runner.requests == {}
+    assert core.make_stats().kv_cache_usage == 0.0
+
+
+def test_check_request_rejects_what_could_never_run(tiny_folder):
+    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=64, kv_cache_memory_bytes="4MiB"))
+    with pytest.raises(ValueError, match="at least one token"):
+        core.check_request([], SamplingParams())
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        core.check_request([1, 256], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.check_request(list(range(64)), SamplingParams())
+    with pytest.raises(ValueError, match="max_logprobs"):
+        core.check_request([1], SamplingParams(logprobs=21))

@@ -1,0 +1,80 @@
+"""Block pool, free queue and prefix-cache index in isolation."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_utils import ROOT_BLOCK_HASH, hash_block_tokens
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def test_free_queue_removes_from_the_middle_and_keeps_order():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    queue.remove(blocks[2])
+    queue.append(blocks[2])
+    assert [b.block_id for b in queue] == [0, 1, 3, 4, 2]
+    assert queue.popleft().block_id == 0 and queue.num_free_blocks == 4
+    for b in list(queue):
+        queue.remove(b)
+    with pytest.raises(ValueError):
+        queue.popleft()
+
+
+def test_block_zero_is_reserved_and_usage_counts_usable_blocks():
+    pool = BlockPool(5, enable_caching=True)
+    assert pool.null_block.block_id == 0 and pool.get_num_free_blocks() == 4
+    blocks = pool.get_new_blocks(2)
+    assert {b.block_id for b in blocks} == {1, 2} and pool.get_usage() == 0.5
+    with pytest.raises(ValueError):
+        pool.get_new_blocks(3)
+
+
+def test_block_hash_is_chained_sha256():
+    h1 = hash_block_tokens(ROOT_BLOCK_HASH, [1, 2, 3])
+    assert len(h1) == 32
+    assert hash_block_tokens(h1, [4, 5, 6]) != hash_block_tokens(ROOT_BLOCK_HASH, [4, 5, 6])
+    assert hash_block_tokens(ROOT_BLOCK_HASH, [1, 2, 3], ("lora-1",)) != h1
+
+
+def test_request_block_hashes_follow_appended_tokens():
+    request = Request("r", list(range(20)), SamplingParams(), None, block_size=8)
+    assert len(request.block_hashes) == 2
+    request.append_output_token_ids([1, 2, 3])
+    assert len(request.block_hashes) == 2
+    request.append_output_token_ids(4)
+    assert len(request.block_hashes) == 3
+    assert request.block_hashes[2] == hash_block_tokens(request.block_hashes[1], request.all_token_ids[16:24])
+
+
+def test_reset_prefix_cache_only_when_idle():
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    request = Request("r", list(range(9)), SamplingParams(), None, block_size=4)
+    assert manager.allocate_slots(request, 9) is not None
+    assert not manager.reset_prefix_cache()
+    manager.free(request)
+    assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    assert manager.reset_prefix_cache()
+    assert manager.block_pool.cached_block_hash_to_block == {}
+    assert manager.get_computed_blocks(Request("s", list(range(9)), SamplingParams(), None, 4)) == ([], 0)
+
+
+def test_allocation_failure_changes_nothing():
+    manager = KVCacheManager(num_blocks=4, block_size=4)  # 3 usable blocks
+    big = Request("big", list(range(16)), SamplingParams(), None, block_size=4)
+    assert manager.allocate_slots(big, 16) is None
+    assert manager.block_pool.get_num_free_blocks() == 3 and "big" not in manager.req_to_blocks
+
+
+def test_prompt_logprobs_requests_get_no_cache_hits():
+    manager = KVCacheManager(num_blocks=10, block_size=4)
+    first = Request("a", list(range(9)), SamplingParams(), None, block_size=4)
+    manager.allocate_slots(first, 9)
+    manager.free(first)
+    asks = Request("b", list(range(9)), SamplingParams(prompt_logprobs=1), None, block_size=4)
+    assert manager.get_computed_blocks(asks) == ([], 0)
+    plain = Request("c", list(range(9)), SamplingParams(), None, block_size=4)
+    assert manager.get_computed_blocks(plain)[1] == 8
