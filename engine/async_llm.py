@@ -10,6 +10,11 @@ The engine thread blocks on its input queue when idle (no busy loop) and
 drains every pending add / abort before each ``schedule()``. Detokenization
 and stop-string checks run on the event loop in the ``OutputProcessor``; a
 stop string found there aborts the request in the engine.
+
+Every step also ships the scheduler's stats to the event loop, where the
+``RequestStatsTracker`` turns them and the outputs into ``IterationStats`` for
+the registered stat loggers (metrics, the periodic log line): the engine thread
+does no metrics work beyond a counter and a timestamp in the scheduler.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 from engine.config import EngineArgs
 from engine.core.engine_core import EngineCore
 from engine.core.scheduler import SchedulerStats
+from engine.metrics.loggers import StatLogger
+from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -74,6 +81,8 @@ class AsyncLLM:
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._stats = engine_core.make_stats()
+        self._request_stats = RequestStatsTracker(self._stats)
+        self._stat_loggers: list[StatLogger] = []
         self._error: BaseException | None = None
         self._accepting = True
         self._thread = threading.Thread(target=self._run_engine_loop, name="engine", daemon=True)
@@ -103,8 +112,7 @@ class AsyncLLM:
                         return
                 outputs = core.step()
                 self._stats = core.make_stats()
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._on_outputs, outputs)
+                self._loop.call_soon_threadsafe(self._on_step, outputs, self._stats)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
             logger.exception("engine thread died")
             self._error = exc
@@ -122,7 +130,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ event loop
 
-    def _on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self._inputs.put(_AbortRequests(processed.reqs_to_abort))
@@ -130,6 +138,12 @@ class AsyncLLM:
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
                 stream.put_nowait(request_output)
+        self._record(scheduler_stats, self._request_stats.make_iteration_stats(
+            outputs, processed.reqs_to_abort, scheduler_stats, time.monotonic()))
+
+    def _record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        for stat_logger in self._stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
@@ -158,6 +172,8 @@ class AsyncLLM:
                                                      output_kind)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
+        self._request_stats.add_request([child_id for child_id, _ in children], len(prompt_token_ids),
+                                        time.monotonic())
         arrival_time = time.time()
         for child_id, child_params in children:
             self._inputs.put(_AddRequest(child_id, prompt_token_ids, child_params, arrival_time))
@@ -182,6 +198,7 @@ class AsyncLLM:
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids:
             self._inputs.put(_AbortRequests(child_ids))
+            self._record(self._stats, self._request_stats.abort_requests(child_ids, time.monotonic()))
 
     def _raise_if_unavailable(self) -> None:
         if self._error is not None:
@@ -202,6 +219,18 @@ class AsyncLLM:
     def get_stats(self) -> SchedulerStats:
         """The scheduler's state after the latest engine step."""
         return self._stats
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Report every later engine step (and frontend abort) to ``stat_logger``, on the event loop."""
+        self._stat_loggers.append(stat_logger)
+
+    def remove_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Stop reporting to ``stat_logger``.
+
+        Raises:
+            ValueError: when it was not added.
+        """
+        self._stat_loggers.remove(stat_logger)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish within ``timeout_s``, abort the rest, join the thread."""

@@ -71,6 +71,8 @@ class EngineCoreOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         new_logprobs: logprobs of ``new_token_ids`` when asked for.
         new_prompt_logprobs: prompt logprobs computed this step when asked for.
+        first_scheduled_time: ``time.monotonic()`` seconds when the scheduler first
+            gave the request tokens (for the queue-time metric).
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -73,6 +73,8 @@ class Request:
         # Prompt tokens served from the prefix cache at first scheduling; -1 before.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # time.monotonic() seconds when the scheduler first gave it tokens; None before (for metrics).
+        self.first_scheduled_time: float | None = None
         self.block_hashes: list[BlockHash] = []
         hash_new_full_blocks(self._all_token_ids, self.block_hashes, block_size)
 

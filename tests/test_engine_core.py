@@ -63,8 +63,12 @@ def test_check_request_rejects_what_could_never_run(tiny_folder):
     core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=64, kv_cache_memory_bytes="4MiB"))
     with pytest.raises(ValueError, match="at least one token"):
         core.check_request([], SamplingParams())
-    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 256\)"):
         core.check_request([1, 256], SamplingParams())
+    with pytest.raises(ValueError, match="stop_token_ids token ids"):
+        core.check_request([1], SamplingParams(stop_token_ids=[300]))
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        core.check_request([1], SamplingParams(logit_bias={999: 1.0}))
     with pytest.raises(ValueError, match="max_model_len"):
         core.check_request(list(range(64)), SamplingParams())
     with pytest.raises(ValueError, match="max_logprobs"):

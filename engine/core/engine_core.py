@@ -72,7 +72,7 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len(args)
         if args.seed is not None:
             torch.manual_seed(args.seed)
-        attn_backend = "triton" if self.device.type == "cuda" else "torch"
+        attn_backend = "triton" if self.device.type == "cuda" else "cpu"
         model = load_model(source, self.hf_config, dtype, self.device, attn_backend=attn_backend)
         self.vocab_size = model.vocab_size
         eos = self.tokenizer.eos_token_id
@@ -132,13 +132,15 @@ class EngineCore:
         Thread-safe (reads only immutable configuration).
 
         Raises:
-            ValueError: empty prompt, token ids outside the vocabulary, prompt
+            ValueError: empty prompt, token ids (prompt, stop, bias) outside the vocabulary, prompt
                 too long for ``max_model_len`` or the KV cache, too many logprobs.
         """
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        for name, token_ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", list(params.logit_bias or ()))):
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= self.vocab_size):
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:

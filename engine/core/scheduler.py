@@ -13,6 +13,7 @@ This package imports no torch.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ class SchedulerStats:
     prefix_cache_queries: int      # tokens
     prefix_cache_hits: int         # tokens
     num_preemptions: int
+    num_scheduled_tokens: int      # tokens, summed over every schedule()
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._prev_step_scheduled: set[str] = set()
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # summed over steps, for the iteration-tokens metric
 
     # ------------------------------------------------------------------ requests
 
@@ -132,7 +135,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                               kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
-                              prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions)
+                              prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
+                              num_scheduled_tokens=self.num_scheduled_tokens)
 
     # ------------------------------------------------------------------ schedule
 
@@ -191,8 +195,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             # Starts at the prefix-cache hit; advanced by this step's tokens in _update_after_schedule.
             request.num_computed_tokens = num_computed_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first time scheduled
                 request.num_cached_tokens = num_computed_tokens
+                request.first_scheduled_time = time.monotonic()
             plan.new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
@@ -239,6 +244,7 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_scheduled
         self.finished_req_ids = set()
         self._prev_step_scheduled = set(output.num_scheduled_tokens)
+        self.num_scheduled_tokens += output.total_num_scheduled_tokens
 
     # ------------------------------------------------------------------ results
 
@@ -274,7 +280,7 @@ class Scheduler:
                     request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
                     new_logprobs=logprobs[:len(new_token_ids)] if logprobs else None,
-                    new_prompt_logprobs=prompt_logprobs))
+                    new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time))
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
         return outputs

@@ -86,7 +86,8 @@ class AttentionBackend(ABC):
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
 # Built-in backends, imported on first use so that a CPU server never imports triton.
-_BUILTIN_MODULES = {"torch": "engine.model.torch_attention", "triton": "engine.model.triton_attention"}
+_BUILTIN_MODULES = {"torch": "engine.model.torch_attention", "cpu": "engine.model.cpu_attention",
+                    "triton": "engine.model.triton_attention"}
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:

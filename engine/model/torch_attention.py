@@ -54,6 +54,8 @@ class _StepPlan:
     decode_blocks: torch.Tensor | None  # [num_decodes * blocks per decode] int64 ids, padded to the longest
     decode_mask: torch.Tensor | None    # [num_decodes, 1, 1, keys] bool, True where a key is attended
     prefills: list[_PrefillChunk]
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32 block table rows
+    decode_seq_lens: torch.Tensor | None = None     # [num_decodes] int32
 
 
 @register_backend("torch")
@@ -106,7 +108,7 @@ class TorchAttentionBackend(AttentionBackend):
         is_decode = query_lens == 1
         decode_reqs = np.flatnonzero(is_decode)
 
-        decode_rows = decode_blocks = decode_mask = None
+        decode_rows = decode_blocks = decode_mask = decode_block_table = decode_seq_lens = None
         if len(decode_reqs):
             decode_num_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
             reqs = torch.from_numpy(decode_reqs).to(device)
@@ -114,6 +116,8 @@ class TorchAttentionBackend(AttentionBackend):
             keys = torch.arange(decode_num_blocks * block_size, device=device)
             decode_mask = (keys[None, :] < metadata.seq_lens[reqs, None])[:, None, None, :]
             decode_rows = torch.from_numpy(starts[decode_reqs]).to(device)
+            decode_block_table = metadata.block_table[reqs].contiguous()
+            decode_seq_lens = metadata.seq_lens[reqs].contiguous()
 
         prefills = []
         for req in np.flatnonzero(~is_decode).tolist():
@@ -127,7 +131,8 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append(_PrefillChunk(start, end, blocks, mask))
 
         self._planned_for = metadata
-        self._plan_cache = _StepPlan(bool(is_decode.all()), decode_rows, decode_blocks, decode_mask, prefills)
+        self._plan_cache = _StepPlan(bool(is_decode.all()), decode_rows, decode_blocks, decode_mask, prefills,
+                                     decode_block_table, decode_seq_lens)
         return self._plan_cache
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""Stat loggers: what ``AsyncLLM`` reports every engine step to, and the periodic log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from engine.core.scheduler import SchedulerStats
+from engine.metrics.stats import IterationStats
+
+logger = logging.getLogger(__name__)
+
+
+class StatLogger(Protocol):
+    """Receives the engine's stats once per step (and once per batch of frontend aborts).
+
+    ``record`` runs on the event loop, between the processing of two steps'
+    outputs: it must be cheap (no I/O, no waiting).
+    """
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+
+
+class LoggingStatLogger:
+    """Sums the stats between two ``log()`` calls and logs them as one INFO line, unless idle.
+
+    Idle means no token was processed since the previous line and no request
+    is running or waiting. Throughputs are tokens per second over the interval;
+    the prefix-cache hit rate and the preemptions are the interval's too.
+
+    Args:
+        clock: seconds, monotonic; ``time.monotonic`` unless a test needs another.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._last_log_time = clock()
+        self._scheduler_stats: SchedulerStats | None = None
+        self._interval = IterationStats()
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self._scheduler_stats = scheduler_stats
+        total = self._interval
+        total.num_prompt_tokens += iteration_stats.num_prompt_tokens
+        total.num_generation_tokens += iteration_stats.num_generation_tokens
+        total.num_preemptions += iteration_stats.num_preemptions
+        total.prefix_cache_queries += iteration_stats.prefix_cache_queries
+        total.prefix_cache_hits += iteration_stats.prefix_cache_hits
+
+    def log(self) -> None:
+        """Log the interval since the previous call (if busy) and start a new one."""
+        now = self._clock()
+        elapsed_s = max(now - self._last_log_time, 1e-9)
+        total, stats = self._interval, self._scheduler_stats
+        self._last_log_time, self._interval = now, IterationStats()
+        has_requests = stats is not None and (stats.num_running_reqs or stats.num_waiting_reqs)
+        if stats is None or not (total.num_prompt_tokens or total.num_generation_tokens or has_requests):
+            return
+        hit_rate = total.prefix_cache_hits / total.prefix_cache_queries if total.prefix_cache_queries else 0.0
+        logger.info(
+            "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d reqs, waiting %d reqs, "
+            "KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
+            total.num_prompt_tokens / elapsed_s, total.num_generation_tokens / elapsed_s, stats.num_running_reqs,
+            stats.num_waiting_reqs, 100 * stats.kv_cache_usage, 100 * hit_rate, total.num_preemptions)

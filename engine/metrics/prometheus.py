@@ -1,0 +1,111 @@
+"""Prometheus metrics in vLLM's style, under the ``pagedserve:`` prefix, labelled with ``model_name``.
+
+Gauges describe the engine after its latest step; counters and histograms add
+up the ``IterationStats`` recorded since this logger was created. Each logger
+has its own ``CollectorRegistry``, so several can live in one process (tests,
+several apps on one engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.core.scheduler import SchedulerStats
+from engine.metrics.stats import IterationStats
+from engine.outputs import FinishReason
+
+PREFIX = "pagedserve:"
+# Seconds. vLLM's buckets, so that dashboards made for it read ours alike.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """``[1, 2, 5, 10, 20, 50, ...]`` up to ``max_value`` (token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """Keeps the ``pagedserve:*`` metrics in ``self.registry``.
+
+    Args:
+        model_name: the value of every metric's ``model_name`` label.
+        max_model_len: the longest sequence in tokens (top of the token-count buckets).
+    """
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        token_buckets = buckets_1_2_5(max_model_len)
+
+        def metric(kind: type, name: str, documentation: str, **options: Any) -> Any:
+            return kind(PREFIX + name, documentation, ["model_name"], registry=self.registry,
+                        **options).labels(model_name)
+
+        self.num_requests_running = metric(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = metric(Gauge, "kv_cache_usage_perc",
+                                          "Fraction of KV cache blocks in use (0 to 1).")
+        self.prompt_tokens = metric(Counter, "prompt_tokens_total",
+                                    "Prompt tokens of requests that produced their first token.")
+        self.generation_tokens = metric(Counter, "generation_tokens_total", "Output tokens generated.")
+        self.num_preemptions = metric(Counter, "num_preemptions_total", "Requests preempted (to be recomputed).")
+        self.prefix_cache_queries = metric(Counter, "prefix_cache_queries_total",
+                                           "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = metric(Counter, "prefix_cache_hits_total",
+                                        "Prompt tokens found in the prefix cache.")
+        self.time_to_first_token = metric(Histogram, "time_to_first_token_seconds",
+                                          "Seconds from arrival to the first output token.", buckets=TTFT_BUCKETS_S)
+        self.inter_token_latency = metric(Histogram, "inter_token_latency_seconds",
+                                          "Seconds between two outputs of a request.", buckets=ITL_BUCKETS_S)
+        self.e2e_request_latency = metric(Histogram, "e2e_request_latency_seconds",
+                                          "Seconds from arrival to finish.", buckets=REQUEST_LATENCY_BUCKETS_S)
+        self.request_queue_time = metric(Histogram, "request_queue_time_seconds",
+                                         "Seconds from arrival to first scheduled.",
+                                         buckets=REQUEST_LATENCY_BUCKETS_S)
+        self.request_prompt_tokens = metric(Histogram, "request_prompt_tokens", "Prompt tokens per finished request.",
+                                            buckets=token_buckets)
+        self.request_generation_tokens = metric(Histogram, "request_generation_tokens",
+                                                "Output tokens per finished request.", buckets=token_buckets)
+        self.iteration_tokens = metric(Histogram, "iteration_tokens_total", "Tokens scheduled per engine step.",
+                                       buckets=ITERATION_TOKEN_BUCKETS)
+        success = Counter(PREFIX + "request_success_total", "Finished requests, by finish reason.",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        # Every reason from the start, so that rate() sees the first one of each.
+        self.request_success = {reason: success.labels(model_name, reason.value) for reason in FinishReason}
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.num_requests_running.set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        stats = iteration_stats
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.num_scheduled_tokens:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        for ttft in stats.time_to_first_tokens_s:
+            self.time_to_first_token.observe(ttft)
+        for itl in stats.inter_token_latencies_s:
+            self.inter_token_latency.observe(itl)
+        for finished in stats.finished_requests:
+            self.request_success[finished.finish_reason].inc()
+            self.e2e_request_latency.observe(finished.e2e_latency_s)
+            if finished.queue_time_s is not None:
+                self.request_queue_time.observe(finished.queue_time_s)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)

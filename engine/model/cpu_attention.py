@@ -1,0 +1,115 @@
+"""The CPU attention backend: the torch backend with decodes run by a C kernel.
+
+Decode attention is the one place where torch has no good primitive for a
+paged cache: SDPA needs the keys contiguous, so the torch backend copies every
+decode request's blocks into a workspace first, and a step at batch 64 spends
+about half its attention time on that copy. ``csrc/paged_decode_attention.c``
+reads the blocks in place. It is plain C with OpenMP (no torch headers), so it
+compiles in about a second with the system compiler the first time it is
+needed and is cached under ``$PAGEDSERVE_CACHE_DIR/kernels``. Its OpenMP
+runtime is torch's own: the dynamic loader resolves ``libgomp.so.1`` to the
+copy torch already loaded, so both share one thread pool.
+
+When no compiler is available, or the dtype is not float32, the backend falls
+back to the torch path (and says so once in the log).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.model.attention import register_backend
+from engine.model.torch_attention import TorchAttentionBackend, _StepPlan
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _cpu_signature() -> str:
+    """What the compiled code depends on besides its source: -march=native makes it CPU-specific."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+@cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it on first use; None when it cannot be built."""
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve")))
+    library = root / "kernels" / f"paged_decode_attention-{key}.so"
+    if not library.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("no C compiler found: CPU decode attention falls back to torch (slower)")
+            return None
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            built = Path(tmp) / library.name
+            # -lm last: it brings libmvec, which holds the vectorized expf.
+            result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("compiling %s failed, CPU decode attention falls back to torch:\n%s", _SOURCE,
+                               result.stderr[-2000:])
+                return None
+            os.replace(built, library)
+    lib = ctypes.CDLL(str(library))
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+                                           + [ctypes.c_int64] * 5 + [ctypes.c_float])
+    return lib
+
+
+def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Attention of one query token per request over its paged keys and values.
+
+    Args:
+        query: ``[num_reqs, num_heads, head_dim]`` float32 on the CPU.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32, contiguous.
+        block_table: ``[num_reqs, max_blocks]`` int32, contiguous.
+        seq_lens: ``[num_reqs]`` int32, keys each query attends to (>= 1).
+        scale: softmax scale.
+
+    Returns:
+        ``[num_reqs, num_heads, head_dim]`` float32, or None when the kernel is
+        unavailable or does not support these shapes (the caller falls back).
+    """
+    lib = load_kernel()
+    if lib is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        return None
+    query = query.contiguous()
+    num_reqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    out = torch.empty_like(query)
+    status = lib.paged_decode_attention(
+        query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+        block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
+        block_size, scale)
+    return out if status == 0 else None
+
+
+@register_backend("cpu")
+class CpuAttentionBackend(TorchAttentionBackend):
+    """``TorchAttentionBackend`` whose decodes run in the C kernel when it is available."""
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
+        out = paged_decode_attention(query, kv_cache, plan.decode_block_table, plan.decode_seq_lens, scale)
+        return out if out is not None else super()._decode(query, kv_cache, plan, scale)

@@ -1,0 +1,251 @@
+"""The FastAPI application: routes, access control, and the engine's lifetime.
+
+``build_app(engine_args, server_args)`` returns an app whose lifespan creates
+the ``AsyncLLM`` at startup and shuts it down gracefully at exit; pass
+``engine=`` instead to serve an engine someone else owns (tests, several apps
+on one engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs, parse_size
+from server import __version__
+from server.chat import chat_prompt, create_chat_completion
+from server.completions import create_completion
+from server.errors import (
+    BodySizeLimitMiddleware,
+    OpenAIError,
+    add_exception_handlers,
+    bad_request,
+    check_model,
+    check_token_ids,
+)
+from server.logging_config import LOG_FORMATS
+from server.metrics import engine_stats
+from server.metrics import router as metrics_router
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+
+def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
+    """A field with the CLI's metadata, as in ``EngineArgs``; list defaults are copied per instance."""
+    metadata = {"help": help, "unit": unit, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ServerArgs:
+    """The HTTP server's settings (the engine's are ``EngineArgs``)."""
+
+    host: str = _arg("127.0.0.1", "Address to listen on; 0.0.0.0 for every interface")
+    port: int = _arg(8000, "TCP port to listen on")
+    api_key: str | None = _arg(
+        None, "Require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize; "
+        "empty = open (env PAGEDSERVE_API_KEY)")
+    allowed_origins: list[str] = _arg(
+        [], "Origins allowed to call the API from a browser (CORS), '*' for any; empty = CORS off")
+    max_request_body_bytes: int | str = _arg("16MiB", "Largest request body accepted (HTTP 413 above)",
+                                             "bytes")
+    shutdown_timeout_s: float = _arg(
+        30.0, "On SIGINT/SIGTERM, how long in-flight requests may run before they are aborted", "seconds")
+    log_format: str = _arg("text", "Log lines as readable text or as JSON objects (ours and uvicorn's)",
+                           choices=LOG_FORMATS)
+    access_log: bool = _arg(False, "Log one line per HTTP request")
+    log_stats_interval_s: float = _arg(
+        5.0, "While the engine is busy, log throughput, queue, KV cache and prefix-cache stats this often; "
+        "0 = off", "seconds")
+
+    def __post_init__(self) -> None:
+        self.max_request_body_bytes = parse_size(self.max_request_body_bytes)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
+        if self.log_stats_interval_s < 0:
+            raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
+
+
+class APIKeyMiddleware:
+    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``.
+
+    ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+    CORS preflights carry no credentials: the CORS middleware, outside this one, answers them.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    @staticmethod
+    def _protected(path: str) -> bool:
+        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._protected(scope["path"]):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant time, so that response timing does not reveal how much of a guess was right.
+            if not hmac.compare_digest(given, self.expected):
+                error = OpenAIError(HTTPStatus.UNAUTHORIZED, "Invalid or missing API key: send "
+                                    "'Authorization: Bearer <key>'.", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _engine(request: Request) -> AsyncLLM:
+    return request.app.state.engine
+
+
+Engine = Annotated[AsyncLLM, Depends(_engine)]
+router = APIRouter()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``handler``, cancelling it if the client goes away first.
+
+    Starlette does not cancel a handler when its client disconnects; cancelling
+    closes the engine's output stream, which aborts the request and frees its
+    KV blocks. (Once a stream has started, sse-starlette watches the connection.)
+    """
+    work = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with suppress(asyncio.CancelledError):
+                await work
+    if work.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return work.result()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, engine: Engine) -> Any:
+    return await _cancel_on_disconnect(request, create_completion(body, engine))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, engine: Engine) -> Any:
+    return await _cancel_on_disconnect(request, create_chat_completion(body, engine))
+
+
+@router.get("/v1/models")
+async def models(engine: Engine) -> ModelList:
+    return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the engine has started (model loaded, KV cache allocated, thread running) and
+    while its thread runs and accepts requests; 503 before, after a crash and during shutdown."""
+    engine: AsyncLLM | None = getattr(request.app.state, "engine", None)
+    if engine is not None and engine.check_health():
+        return Response(status_code=HTTPStatus.OK)
+    return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The engine is not running.",
+                       code="engine_dead").response()
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
+    """Token ids of a prompt, or of chat messages rendered with the chat template."""
+    check_model(body.model, engine.model_name)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("Send exactly one of 'prompt' and 'messages'.")
+    if body.messages is not None:
+        tokens = chat_prompt(body.messages, engine.tokenizer, body.add_generation_prompt)
+    else:
+        tokens = engine.tokenizer.encode(body.prompt)
+    return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeResponse:
+    check_model(body.model, engine.model_name)
+    check_token_ids(body.tokens, len(engine.tokenizer), "tokens")
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+
+def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | None = None,
+              engine: AsyncLLM | None = None) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    Args:
+        engine_args: the engine to create at startup (and shut down at exit);
+            None = ``EngineArgs()`` defaults.
+        server_args: access control, CORS, body limit, shutdown timeout, stats
+            log interval; None = ``ServerArgs()`` defaults.
+        engine: an engine that is already running, served as is and left
+            running at exit (its owner shuts it down).
+
+    Raises:
+        ValueError: when both ``engine_args`` and ``engine`` are given.
+    """
+    if engine_args is not None and engine is not None:
+        raise ValueError("give engine_args or an engine, not both")
+    server_args = server_args or ServerArgs()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        running = engine or await AsyncLLM.create(engine_args or EngineArgs())
+        # Stats stay attached through the shutdown, which lets in-flight requests finish.
+        async with engine_stats(app, running, server_args.log_stats_interval_s):
+            app.state.engine = running  # /health answers 200 from here on
+            try:
+                yield
+            finally:
+                if engine is None:
+                    await running.shutdown(server_args.shutdown_timeout_s)
+
+    middleware = []
+    if server_args.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=server_args.allowed_origins,
+                                     allow_methods=["*"], allow_headers=["*"]))
+    if server_args.api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=server_args.api_key))
+    middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=server_args.max_request_body_bytes))
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, middleware=middleware)
+    add_exception_handlers(app)
+    app.include_router(router)
+    app.include_router(metrics_router)
+    return app

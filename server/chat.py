@@ -1,0 +1,170 @@
+"""``POST /v1/chat/completions``: messages rendered with the model's chat template, replies whole or streamed.
+
+Logprobs use the chat shape: ``content[{token, logprob, bytes, top_logprobs[]}]``.
+A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+from jinja2 import TemplateError
+from sse_starlette import EventSourceResponse
+from transformers import PreTrainedTokenizerBase
+
+from engine.async_llm import AsyncLLM
+from engine.chat_template import chat_prompt_token_ids
+from engine.output_processor import RequestOutputKind
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from server.errors import (
+    bad_request,
+    check_model,
+    check_sampling_token_ids,
+    engine_errors,
+    resolve_max_tokens,
+)
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    openai_finish_reason,
+    sse_response,
+    unix_time,
+)
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The prompt token ids of ``messages``, exactly as the tokenizer's ``apply_chat_template`` makes them.
+
+    Raises:
+        OpenAIError: 400 when there are no messages or the template refuses them.
+    """
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt)
+    except (ValueError, TemplateError) as exc:
+        raise bad_request(f"The chat template cannot render these messages: {exc}", "messages") from exc
+
+
+def _check_supported(request: ChatCompletionRequest) -> None:
+    """Raises a 400 for the features this server does not have (yet)."""
+    if request.tools:
+        raise bad_request("tools are not supported", "tools")
+    if request.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice other than 'none' is not supported", "tool_choice")
+    if request.response_format is not None and request.response_format.type != "text":
+        raise bad_request(f"response_format of type {request.response_format.type!r} is not supported; "
+                          "only 'text' is", "response_format.type")
+    if request.top_logprobs is not None and request.top_logprobs < 0:
+        raise bad_request(f"top_logprobs must be >= 0, got {request.top_logprobs}", "top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+
+def _logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprobs]) -> ChatLogProbs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token = tokenizer.decode([token_id])
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+    return ChatLogProbs(content=[
+        TokenLogprob(**top(lp.token_ids[0], lp.logprobs[0]).model_dump(),
+                     top_logprobs=[top(t, v) for t, v in zip(lp.token_ids[1:], lp.logprobs[1:], strict=True)])
+        for lp in entries])
+
+
+async def create_chat_completion(request: ChatCompletionRequest,
+                                 engine: AsyncLLM) -> ChatCompletionResponse | EventSourceResponse:
+    """Run a chat request: a ``ChatCompletionResponse``, or an SSE stream of chunks.
+
+    Without ``max_completion_tokens`` / ``max_tokens`` the reply may use all the
+    context the prompt leaves.
+
+    Raises:
+        OpenAIError: 400 for invalid or unsupported input, 404 for an unknown
+            model, 429 when the queue is full, 503 when the engine is down.
+    """
+    check_model(request.model, engine.model_name)
+    _check_supported(request)
+    token_ids = chat_prompt(request.messages, engine.tokenizer)
+    requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    with engine_errors():
+        params = request.to_sampling_params(max_tokens, logprobs)
+    check_sampling_token_ids(params, len(engine.tokenizer))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+    outputs = engine.generate(None, token_ids, params, request_id, kind)
+    stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n,
+                         ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
+                                             choices=[]))
+    if request.stream:
+        return await sse_response(stream.chunks(outputs))
+    with engine_errors():
+        async with aclosing(outputs):
+            async for output in outputs:  # FINAL_ONLY: one output, once every choice is done
+                final = output
+    return ChatCompletionResponse(
+        id=request_id, created=stream.head.created, model=engine.model_name,
+        choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                            logprobs=stream.logprobs(c), finish_reason=openai_finish_reason(c.finish_reason))
+                 for c in final.outputs],
+        usage=UsageInfo.of(len(token_ids), sum(len(c.token_ids) for c in final.outputs)))
+
+
+class _ChatStream:
+    """The chunks of one streamed chat request, all sharing ``head``'s id and timestamp."""
+
+    def __init__(self, request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase,
+                 num_prompt_tokens: int, n: int, head: ChatCompletionChunk) -> None:
+        self.request = request
+        self.tokenizer = tokenizer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
+        self.head = head
+
+    def logprobs(self, completion: CompletionOutput) -> ChatLogProbs | None:
+        return _logprobs(self.tokenizer, completion.logprobs or []) if self.request.logprobs else None
+
+    def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
+        return self.head.model_copy(update={"choices": [choice]})
+
+    async def chunks(self, outputs: AsyncGenerator[RequestOutput, None]
+                     ) -> AsyncGenerator[ChatCompletionChunk, None]:
+        """The role chunks once the engine answers, a chunk per choice that advanced,
+        then the usage chunk when asked for."""
+        num_output_tokens = 0
+        started = False
+        with engine_errors():
+            async with aclosing(outputs):
+                async for output in outputs:
+                    if not started:
+                        started = True
+                        for index in range(self.n):
+                            delta = DeltaMessage(role="assistant", content="")
+                            yield self._chunk(ChatStreamChoice(index=index, delta=delta))
+                    for completion in output.outputs:
+                        num_output_tokens += len(completion.token_ids)
+                        logprobs = self.logprobs(completion)
+                        if completion.text or (logprobs and logprobs.content) or completion.finished:
+                            yield self._chunk(ChatStreamChoice(
+                                index=completion.index, delta=DeltaMessage(content=completion.text or None),
+                                logprobs=logprobs,
+                                finish_reason=openai_finish_reason(completion.finish_reason)))
+        if self.request.include_usage:
+            usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
+            yield self.head.model_copy(update={"usage": usage})

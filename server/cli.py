@@ -1,0 +1,189 @@
+"""The ``pagedserve`` command (also ``python -m server``).
+
+``pagedserve serve [MODEL] [--config FILE.yaml] [--FLAG VALUE ...]`` runs the
+server; ``pagedserve bench serve ...`` load-tests a running one.
+
+Every ``EngineArgs`` and ``ServerArgs`` field is both a flag (``--max-model-len``)
+and a key of the YAML file (``max_model_len:``); flags and help are generated
+from the dataclass fields and their metadata (help, unit, choices). Precedence,
+highest first: flags, the YAML file, ``PAGEDSERVE_API_KEY`` (for ``api_key``),
+the dataclass defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import uvicorn
+import yaml
+from sse_starlette.sse import AppStatus
+
+from benchmarks import serve as bench_serve
+from engine.config import EngineArgs
+from server.app import ServerArgs, build_app
+from server.config_table import SETTINGS_CLASSES, shown_default
+from server.logging_config import log_config
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    """The types a field accepts: ``int | None`` -> ``(int, NoneType)``."""
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def _settings_fields() -> dict[str, tuple[dataclasses.Field, Any]]:
+    """Every settable name -> (its dataclass field, its resolved type)."""
+    fields = {}
+    for cls in SETTINGS_CLASSES:
+        hints = typing.get_type_hints(cls)
+        fields |= {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+    return fields
+
+
+def _flag_help(f: dataclasses.Field) -> str:
+    unit = f.metadata.get("unit")
+    text = f"{f.metadata['help']} " + (f"[{unit}] " if unit else "") + f"(default: {shown_default(f)})"
+    return text.replace("%", "%%")  # argparse formats help with %
+
+
+def _flag_options(hint: Any, f: dataclasses.Field) -> dict[str, Any]:
+    """``argparse.add_argument`` options for a field of type ``hint``."""
+    accepted = [t for t in _members(hint) if t is not types.NoneType]
+    if bool in accepted:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(accepted[0]) is list:
+        return {"nargs": "*", "type": typing.get_args(accepted[0])[0]}
+    # Sizes (int | str) stay text: the dataclass parses "2GiB" as well as "2147483648".
+    kind = str if str in accepted else accepted[0]
+    choices = f.metadata.get("choices")
+    if choices:
+        return {"type": kind, "choices": list(choices)}  # argparse shows them as {a,b,c}
+    return {"type": kind, "metavar": (f.metadata.get("unit") or f.name).upper()}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for title, cls in zip(("engine", "server"), SETTINGS_CLASSES, strict=True):
+        group = parser.add_argument_group(f"{title} settings (also YAML keys)")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            # SUPPRESS leaves unset flags out of the namespace, so the YAML file can fill them.
+            group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                               help=_flag_help(f), **_flag_options(hints[f.name], f))
+
+
+def _accepts(kind: Any, value: Any) -> bool:
+    """Whether a YAML value has type ``kind`` (bools are not numbers here, ints are floats)."""
+    if kind is types.NoneType:
+        return value is None
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_accepts(typing.get_args(kind)[0], v) for v in value)
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML file of settings: a mapping of ``EngineArgs`` / ``ServerArgs`` field names.
+
+    Raises:
+        ValueError: the file is not a mapping, has unknown keys (all named) or
+            a value of the wrong type.
+        OSError: the file cannot be read.
+    """
+    with open(path, encoding="utf-8") as file:
+        data = yaml.safe_load(file)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    fields = _settings_fields()
+    unknown = sorted(str(key) for key in data if key not in fields)
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {', '.join(unknown)}; known keys: {', '.join(fields)}")
+    for key, value in data.items():
+        hint = fields[key][1]
+        if not any(_accepts(kind, value) for kind in _members(hint)):
+            raise ValueError(f"{path}: {key} must be of type {hint}, got {value!r}")
+    return data
+
+
+def resolve_settings(args: argparse.Namespace,
+                     environ: Mapping[str, str] = os.environ) -> tuple[EngineArgs, ServerArgs]:
+    """Merge defaults, the environment, the ``--config`` file and flags (highest wins).
+
+    Raises:
+        ValueError: a bad config file or an invalid setting (naming it).
+        OSError: the config file cannot be read.
+    """
+    settings: dict[str, Any] = {}
+    if environ.get(API_KEY_ENV):
+        settings["api_key"] = environ[API_KEY_ENV]
+    if args.config:
+        settings |= load_config_file(args.config)
+    fields = _settings_fields()
+    settings |= {name: value for name, value in vars(args).items() if name in fields}
+    if args.model_tag is not None:
+        if "model" in vars(args) and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        settings["model"] = args.model_tag
+    engine_names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return (EngineArgs(**{k: v for k, v in settings.items() if k in engine_names}),
+            ServerArgs(**{k: v for k, v in settings.items() if k not in engine_names}))
+
+
+def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    """Serve until SIGINT/SIGTERM, then finish in-flight requests (up to
+    ``shutdown_timeout_s``), abort the rest and stop the engine."""
+    # sse-starlette ends every stream as soon as uvicorn is told to exit; let them
+    # finish instead, within uvicorn's graceful-shutdown timeout.
+    AppStatus.disable_automatic_graceful_drain()
+    # uvicorn applies the logging config before the app starts, so model loading logs in that format too.
+    uvicorn.run(build_app(engine_args, server_args), host=server_args.host, port=server_args.port,
+                timeout_graceful_shutdown=server_args.shutdown_timeout_s,
+                log_config=log_config(server_args.log_format), access_log=server_args.access_log)
+
+
+def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        engine_args, server_args = resolve_settings(args)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    serve(engine_args, server_args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedserve`` parser; each subcommand sets ``run(parser, args) -> exit code``."""
+    parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_parser = commands.add_parser(
+        "serve", help="run the OpenAI-compatible server",
+        description="Run the OpenAI-compatible server. Settings: flags > --config YAML > "
+                    f"{API_KEY_ENV} > defaults.")
+    serve_parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                              help="model to serve (same as --model)")
+    serve_parser.add_argument("--config", metavar="FILE.yaml", default=None,
+                              help="YAML file of settings, keyed by the flag names with underscores")
+    _add_settings_flags(serve_parser)
+    serve_parser.set_defaults(run=lambda args: _run_serve(serve_parser, args))
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
+    bench_parser = bench.add_parser("serve", help="load-test a running server (benchmarks/serve.py)",
+                                    description=bench_serve.__doc__)
+    bench_serve.add_cli_args(bench_parser)
+    bench_parser.set_defaults(run=bench_serve.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pagedserve`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)

@@ -1,0 +1,253 @@
+"""Every way the server refuses a request, as OpenAI's error JSON.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status. Bad
+input is a 4xx naming the offending field, never a 500; engine failures are
+429 (queue full) or 503 (engine down).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_llm import EngineDeadError, QueueFullError
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+#: A ``ValueError`` from ``SamplingParams`` / ``EngineCore`` starts with the parameter's name.
+_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
+_UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+class OpenAIError(Exception):
+    """A request refused with an HTTP status and OpenAI's error body.
+
+    Args:
+        status_code: the HTTP status (4xx, 5xx).
+        message: what went wrong, for the client.
+        param: the request field at fault, if any (dotted path for nested fields).
+        code: a short machine-readable code, if any.
+    """
+
+    def __init__(self, status_code: int, message: str, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        error_type = _ERROR_TYPES.get(self.status_code, "invalid_request_error")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param,
+                          "code": self.code}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.body())
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    """A 400 ``invalid_request_error``."""
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param)
+
+
+# --------------------------------------------------------------------------- checks shared by the endpoints
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Accept the served model's name, or no name at all.
+
+    Raises:
+        OpenAIError: 404 for any other name.
+    """
+    if requested and requested != served:
+        raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
+                          f"serves `{served}`.", param="model", code="model_not_found")
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The output budget of a request: ``requested``, or all the context the prompt leaves.
+
+    Args:
+        requested: the client's ``max_tokens``; None = up to ``max_model_len``.
+        num_prompt_tokens: prompt length in tokens.
+        max_model_len: the engine's context length in tokens.
+
+    Raises:
+        OpenAIError: 400 when the prompt is empty or prompt + output exceeds ``max_model_len``
+            (in vLLM's words, giving both numbers).
+    """
+    if num_prompt_tokens == 0:
+        raise bad_request("The prompt is empty; it must contain at least one token.", "prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                          f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+                          "input messages.", "prompt")
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested > 0 and num_prompt_tokens + requested > max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                          f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                          f"messages, {requested} in the completion). Please reduce the length of the "
+                          "messages or completion.", "max_tokens")
+    return requested
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
+    """Raises a 400 naming ``param`` when a token id is outside ``[0, vocab_size)``."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"{param} has token ids outside [0, {vocab_size}): {bad[:5]}", param)
+
+
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse ``logit_bias`` and ``stop_token_ids`` entries outside the vocabulary.
+
+    The engine indexes its logits with them on its own thread, where a bad id
+    would fail every request in the batch, so they are checked here first.
+    """
+    check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+@contextmanager
+def engine_errors() -> Iterator[None]:
+    """Translate what building or running a request raises into OpenAI errors.
+
+    ``ValueError`` (invalid sampling parameters, a prompt the engine refuses)
+    -> 400; ``QueueFullError`` -> 429; ``EngineDeadError`` -> 503.
+    """
+    try:
+        yield
+    except QueueFullError as exc:
+        raise OpenAIError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), code="queue_full") from exc
+    except EngineDeadError as exc:
+        raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
+    except ValueError as exc:
+        first_word = str(exc).split(" ", 1)[0]
+        raise bad_request(str(exc), first_word if first_word in _PARAM_NAMES else None) from exc
+
+
+# --------------------------------------------------------------------------- handlers
+
+
+def _param_path(loc: Iterable[int | str]) -> str:
+    """``messages.0.role`` from pydantic's location, up to the first part that is not a field
+    or an index (a union member's tag such as ``str``, a dict key such as ``not-a-token``)."""
+    parts = []
+    for part in loc:
+        if not isinstance(part, int) and (not part.isidentifier() or part in _UNION_TAGS):
+            break
+        parts.append(str(part))
+    return ".".join(parts)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    error = exc.errors()[0]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["type"] == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
+                           ).response()
+    param = _param_path(error["loc"][1:])  # [0] is "body"
+    if not param:
+        return bad_request(f"The request body is invalid: {message}").response()
+    return bad_request(f"Invalid value for '{param}': {message}", param).response()
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    status = HTTPStatus(exc.status_code)
+    message = exc.detail if isinstance(exc.detail, str) and exc.detail != status.phrase else (
+        f"{status.phrase}: {request.method} {request.url.path}")
+    code = status.phrase.lower().replace(" ", "_")
+    return JSONResponse(OpenAIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    return exc.response()
+
+
+def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {exc!r}").response()
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Answer every error, including FastAPI's own 404/405/422, in OpenAI's shape."""
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+# --------------------------------------------------------------------------- body size limit
+
+
+class BodySizeLimitMiddleware:
+    """Answer 413 when a request body exceeds ``max_body_bytes``.
+
+    Checks the declared ``Content-Length`` first, then counts the bytes as they
+    arrive (chunked uploads declare none). The body is read here in full and
+    replayed to the app, which FastAPI would do anyway; after the replay the
+    app's ``receive`` is the server's again, so disconnects still reach it.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        # A malformed Content-Length never gets here: the HTTP server rejects it.
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        more_body = True
+        while more_body:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            more_body = message.get("more_body", False)
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = OpenAIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                            f"The request body exceeds the server's limit of {self.max_body_bytes} bytes.",
+                            code="request_too_large")
+        await error.response()(scope, receive, send)
