@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
-from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+from engine.model.loader import gguf_cache_folder, resolve_model_path
+from tests.model_fixtures import tiny_hf_model
 
 PROMPT_LENGTHS = [5, 17, 40, 96, 150, 260, 420, 600]
 MAX_TOKENS = 32
@@ -26,9 +27,19 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    path = embedded_gguf_path()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+def embedded_folder() -> str:
+    """The embedded GGUF converted to an HF folder (what the engine loads too): transformers reads it fast."""
+    return gguf_cache_folder(resolve_model_path(None)).path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_folder):
+    return AutoTokenizer.from_pretrained(embedded_folder)
+
+
+@pytest.fixture(scope="module")
+def hf_model(embedded_folder):
+    return AutoModelForCausalLM.from_pretrained(embedded_folder, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +60,10 @@ def hf_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[
 
 
 @pytest.fixture(scope="module")
-def reference(prompts) -> list[list[int]]:
+def reference(prompts, hf_model) -> list[list[int]]:
     """transformers' greedy continuation of every prompt, one at a time."""
-    path = embedded_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
-        result = hf_greedy(model, prompts, MAX_TOKENS)
-    del model
-    gc.collect()
-    return result
+        return hf_greedy(hf_model, prompts, MAX_TOKENS)
 
 
 def run_llm(prompts, **engine_args):
@@ -106,15 +112,12 @@ def test_max_num_seqs_3_matches_transformers(prompts, reference):
     assert_same_tokens(actual, reference)
 
 
-def test_shared_prefix_prompts_match_transformers(tokenizer):
-    """Prompts sharing a 300-token prefix: later ones start from cached blocks in the same batch."""
-    path = embedded_gguf_path()
+def test_shared_prefix_prompts_match_transformers(tokenizer, hf_model):
+    """Prompts sharing a 300-token prefix: later ones start from cached blocks."""
     prefix = tokenizer.encode(TEXT * 4)[:300]
     prompts = [prefix + tokenizer.encode(f" Question {i}: what happened next?") for i in range(4)]
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.inference_mode():
-        expected = hf_greedy(model, prompts, 16)
-    del model
+        expected = hf_greedy(hf_model, prompts, 16)
     llm = LLM(max_model_len=1024, kv_cache_memory_bytes="128MiB")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     first = llm.generate(prompts[:1], params, use_tqdm=False)

@@ -200,7 +200,7 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
         weights = _gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, expected)
     else:
         weights = _folder_weights(source.path)
-    model.load_weights(tqdm(weights, total=len(expected), desc=f"Loading {source.display_name}",
+    model.load_weights(tqdm(weights, total=len(expected), desc=f"Loading {source.display_name}", disable=None,
                             unit="tensor"))
     model.eval()
     logger.info("loaded %s (%s): %.1fM parameters, %s on %s in %.1f s", source.display_name,
