@@ -20,6 +20,7 @@ does no metrics work beyond a counter and a timestamp in the scheduler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -50,6 +51,7 @@ class QueueFullError(RuntimeError):
 @dataclass
 class _AddRequest:
     request_id: str
+    parent_request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
@@ -116,7 +118,8 @@ class AsyncLLM:
         except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
             logger.exception("engine thread died")
             self._error = exc
-            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            with contextlib.suppress(RuntimeError):  # the event loop may already be closed
+                self._loop.call_soon_threadsafe(self._fail_all, exc)
 
     def _apply(self, item: _AddRequest | _AbortRequests | _Stop) -> bool:
         """Apply one input on the engine thread; True means stop the loop."""
@@ -125,12 +128,28 @@ class AsyncLLM:
         if isinstance(item, _AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
         else:
-            self.engine_core.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival_time)
+            try:
+                self.engine_core.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival_time)
+            except ValueError as exc:
+                # generate() checks requests first, so this is a bug or a race; it
+                # must fail that request only, not the engine every client shares.
+                logger.exception("rejected request %s on the engine thread", item.request_id)
+                self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, exc)
         return False
 
     # ------------------------------------------------------------------ event loop
 
     def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
+        try:
+            self._process_step(outputs, scheduler_stats)
+        except Exception as exc:
+            # An exception here would only be logged by asyncio and leave every stream waiting forever.
+            logger.exception("processing engine outputs failed")
+            self._error = exc
+            self._inputs.put(_Stop())
+            self._fail_all(exc)
+
+    def _process_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
             self._inputs.put(_AbortRequests(processed.reqs_to_abort))
@@ -144,6 +163,11 @@ class AsyncLLM:
     def _record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         for stat_logger in self._stat_loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
+
+    def _fail_request(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
@@ -166,7 +190,8 @@ class AsyncLLM:
         """
         self._raise_if_unavailable()
         self.engine_core.check_request(prompt_token_ids, sampling_params)
-        if self._stats.num_waiting_reqs + self._inputs.qsize() >= self.args.max_waiting_requests:
+        # Reading the deque's length from this thread is atomic; the stats snapshot would lag a whole step.
+        if len(self.engine_core.scheduler.waiting) + self._inputs.qsize() >= self.args.max_waiting_requests:
             raise QueueFullError(f"more than {self.args.max_waiting_requests} requests are waiting; retry later")
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, sampling_params,
                                                      output_kind)
@@ -176,7 +201,7 @@ class AsyncLLM:
                                         time.monotonic())
         arrival_time = time.time()
         for child_id, child_params in children:
-            self._inputs.put(_AddRequest(child_id, prompt_token_ids, child_params, arrival_time))
+            self._inputs.put(_AddRequest(child_id, request_id, prompt_token_ids, child_params, arrival_time))
         finished = False
         try:
             while not finished:

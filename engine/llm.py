@@ -60,13 +60,12 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        request_ids = []
-        for prompt, request_params in zip(prompts, params_list, strict=True):
-            if isinstance(prompt, str):
-                text, token_ids = prompt, self.tokenizer.encode(prompt)
-            else:
-                text, token_ids = None, list(prompt)
-            request_ids.append(self._add_request(text, token_ids, request_params))
+        requests = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        # Check every prompt before queueing any, so a bad one leaves nothing half-submitted.
+        for (_, token_ids), request_params in zip(requests, params_list, strict=True):
+            self.engine_core.check_request(token_ids, request_params)
+        request_ids = [self._add_request(text, token_ids, request_params)
+                       for (text, token_ids), request_params in zip(requests, params_list, strict=True)]
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
@@ -79,7 +78,6 @@ class LLM:
 
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._request_counter))
-        self.engine_core.check_request(token_ids, params)
         children = self.output_processor.add_request(request_id, text, token_ids, params,
                                                      RequestOutputKind.FINAL_ONLY)
         for child_id, child_params in children:

@@ -10,6 +10,14 @@ servers and read engine state in-process (``served.engine.get_stats()``).
 
 from __future__ import annotations
 
+import os
+
+# Triton reads TRITON_INTERPRET once, when it is first imported, and transformers
+# imports it early: set it before anything else so the Triton kernels run (and are
+# tested) on machines without a GPU.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import asyncio
 import json
 import threading

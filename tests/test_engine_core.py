@@ -73,3 +73,35 @@ def test_check_request_rejects_what_could_never_run(tiny_folder):
         core.check_request(list(range(64)), SamplingParams())
     with pytest.raises(ValueError, match="max_logprobs"):
         core.check_request([1], SamplingParams(logprobs=21))
+
+
+def test_prompt_logprobs_are_reported_once_despite_preemption(tiny_folder):
+    """Regression: a preempted request recomputes its prompt and used to report its logprobs again."""
+    from engine import LLM
+
+    llm = LLM(tiny_folder, max_model_len=128, block_size=4, num_gpu_blocks_override=13,
+              long_prefill_token_threshold=4)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
+    prompts = [[(3 * i + k) % 200 + 3 for k in range(10)] for i in range(3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine_core.make_stats().num_preemptions > 0
+    alone = LLM(tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB").generate(
+        prompts, params, use_tqdm=False)
+    for out, ref in zip(outputs, alone, strict=True):
+        assert len(out.prompt_logprobs) == 10 and out.prompt_logprobs[0] is None
+        assert [e.token_ids[0] for e in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+        for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+
+
+def test_llm_generate_rejects_a_bad_prompt_without_queueing_the_others(tiny_folder):
+    from engine import LLM
+
+    llm = LLM(tiny_folder, max_model_len=64, kv_cache_memory_bytes="4MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5, 6, 7], list(range(3, 80))], params, use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4

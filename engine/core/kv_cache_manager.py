@@ -105,8 +105,10 @@ class KVCacheManager:
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        # Registering blocks whose K/V this very step will write is safe: a
-        # request that hits them is scheduled in a later step, after the write.
+        # Blocks are registered before this step writes their K/V. A request that
+        # hits them in a later step is safe; so is a sibling hitting them in this
+        # same step, because every attention backend writes the whole step's K/V
+        # of a layer before any query of that layer reads the cache.
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         if end > start:

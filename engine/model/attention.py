@@ -71,6 +71,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Causal paged attention for a mixed batch of prefill chunks and decodes.
 
+        Every key and value of the step must be in the cache before any query
+        reads it: the prefix cache lets one request read blocks that another
+        request of the same step is writing.
+
         Args:
             query: ``[T, num_heads, head_dim]``.
             key, value: ``[T, num_kv_heads, head_dim]``, written at ``metadata.slot_mapping``.

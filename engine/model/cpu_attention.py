@@ -95,7 +95,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     lib = load_kernel()
     if lib is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
         return None
-    query = query.contiguous()
+    query, kv_cache = query.contiguous(), kv_cache.contiguous()
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query)
@@ -103,7 +103,17 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
         block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
         block_size, scale)
-    return out if status == 0 else None
+    if status != 0:
+        _warn_unsupported(num_heads // num_kv_heads, head_dim, block_size)
+        return None
+    return out
+
+
+@cache
+def _warn_unsupported(group: int, head_dim: int, block_size: int) -> None:
+    logger.warning("the CPU decode kernel supports up to 16 query heads per KV head, head_dim <= 256 and "
+                   "block_size <= 128 (got %d, %d, %d): decodes use the slower torch path", group, head_dim,
+                   block_size)
 
 
 @register_backend("cpu")

@@ -54,5 +54,8 @@ class BlockTable:
     def commit(self, num_reqs: int) -> torch.Tensor:
         """The first ``num_reqs`` rows on the device: ``[num_reqs, max_num_blocks_per_req]`` int32."""
         if self.device.type != "cpu":
-            self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
+            # Blocking on purpose: the host rows are rewritten by the next step's
+            # bookkeeping, which may run before an asynchronous copy has (a step
+            # of partial prefills never syncs with the device).
+            self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs])
         return self.block_table[:num_reqs]

@@ -28,6 +28,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt positions whose logprobs were already returned; survives preemption,
+    # so a recomputed prompt does not report them twice.
+    num_prompt_logprobs_done: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,8 @@ class InputBatch:
         self.frequency_penalties = np.zeros(max_num_reqs, dtype=np.float32)
         self.repetition_penalties = np.ones(max_num_reqs, dtype=np.float32)
         self.states: list[CachedRequestState | None] = [None] * max_num_reqs
+        # Rows asking for prompt logprobs, so that steps without any skip that work.
+        self.prompt_logprobs_req_ids: set[str] = set()
 
     @property
     def num_reqs(self) -> int:
@@ -91,6 +96,8 @@ class InputBatch:
         self.num_computed_tokens_cpu[row] = state.num_computed_tokens
         self.block_table.add_row(state.block_ids, row)
         params = state.sampling_params
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs_req_ids.add(state.req_id)
         self.temperature[row] = params.temperature
         self.top_p[row] = params.top_p
         self.top_k[row] = params.top_k
@@ -107,6 +114,7 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.states[row] = None
+        self.prompt_logprobs_req_ids.discard(req_id)
         self._free_rows.append(row)
         self._free_rows.sort()
         return row

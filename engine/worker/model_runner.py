@@ -19,6 +19,9 @@ from engine.worker.sampler import Sampler, compute_logprobs_tensors
 
 logger = logging.getLogger(__name__)
 
+#: Prompt positions whose logprobs are computed at once (bounds the fp32 logits' memory).
+_PROMPT_LOGPROBS_ROWS = 256
+
 
 @dataclass
 class StepInputs:
@@ -189,7 +192,8 @@ class ModelRunner:
 
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
-        prompt_logprobs = self._compute_prompt_logprobs(hidden_states, inputs, req_ids)
+        prompt_logprobs = (self._compute_prompt_logprobs(hidden_states, inputs, req_ids)
+                           if batch.prompt_logprobs_req_ids else {})
         batch.num_computed_tokens_cpu[:num_reqs] = inputs.attn_metadata.seq_lens_cpu
         for req_id, seq_len in zip(req_ids, inputs.attn_metadata.seq_lens_cpu.tolist(), strict=True):
             self.requests[req_id].num_computed_tokens = seq_len
@@ -230,27 +234,31 @@ class ModelRunner:
         """Logprobs of the prompt tokens this step computes, for requests that ask for them.
 
         The logits at position p score the token at p + 1; position 0 has none.
+        Positions already reported (before a preemption) are skipped.
         """
         result: dict[str, list[TokenLogprobs | None]] = {}
-        batch = self.input_batch
         starts = inputs.attn_metadata.query_start_loc_cpu
         for row, req_id in enumerate(req_ids):
             state = self.requests[req_id]
             k = state.sampling_params.prompt_logprobs
-            first = int(batch.num_computed_tokens_cpu[row])
             num_prompt = len(state.prompt_token_ids)
-            if k is None or first >= num_prompt:
+            chunk_start = int(self.input_batch.num_computed_tokens_cpu[row])
+            first = max(chunk_start, state.num_prompt_logprobs_done)
+            last = min(chunk_start + int(inputs.num_scheduled_tokens[row]), num_prompt - 1)  # exclusive
+            if k is None or first >= num_prompt or (first >= last and first > 0):
                 continue
-            last = min(first + int(inputs.num_scheduled_tokens[row]), num_prompt - 1)  # exclusive
             entries: list[TokenLogprobs | None] = [None] if first == 0 else []
-            if last > first:
-                hidden = hidden_states[starts[row]:starts[row] + last - first]
+            offset = starts[row] + first - chunk_start
+            # In slices: a whole chunk's fp32 logits over the vocabulary can take gigabytes.
+            for lo in range(first, last, _PROMPT_LOGPROBS_ROWS):
+                hi = min(lo + _PROMPT_LOGPROBS_ROWS, last)
+                hidden = hidden_states[offset + lo - first:offset + hi - first]
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
-                targets = torch.tensor(state.prompt_token_ids[first + 1:last + 1], device=logprobs.device)
-                entries += compute_logprobs_tensors(logprobs, targets, k).to_lists([k] * (last - first))
+                targets = torch.tensor(state.prompt_token_ids[lo + 1:hi + 1], device=logprobs.device)
+                entries += compute_logprobs_tensors(logprobs, targets, k).to_lists([k] * (hi - lo))
+            state.num_prompt_logprobs_done = max(last, 1)
             result[req_id] = entries
         return result
-
 
 @torch.inference_mode()
 def profile_forward(model: torch.nn.Module, num_tokens: int, num_seqs: int, max_model_len: int,
