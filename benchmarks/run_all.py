@@ -49,6 +49,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 LLAMA_CPP_PYTHON_CTX = 2048  # tokens; the longest scenario needs 512 + 256
 CTX_SLACK = 64  # tokens per llama-server slot beyond prompt + output, for BOS/template
+# The warm-up prompt has its own seed so that it primes no prefix cache for the measured prompts.
+WARMUP_SEED = 2**32 - 1
+# Servers without batching take one request at a time; fewer prompts give the same
+# throughput and keep `make bench` to tens of minutes on 2 cores.
+DEFAULT_PROMPT_CAPS = {"naive": 8, "llama-cpp-python": 32}
 
 
 @dataclass(frozen=True)
@@ -187,13 +192,14 @@ def eos_logit_bias(tokenizer: Tokenizer) -> dict[str, Any]:
 
 def run_scenario(server: ServerProcess, spec: ServerSpec, scenario: Scenario,
                  requests: list[SyntheticRequest], tokenizer: Tokenizer) -> dict[str, Any]:
-    """Warm the server up with one short request, then measure ``requests``."""
+    """Warm the server up with one short request of its own, then measure ``requests``."""
     model = asyncio.run(fetch_first_model(server.base_url))
     options = ServeOptions(base_url=server.base_url, model=model, max_concurrency=scenario.concurrency,
                            ignore_eos=True, seed=scenario.seed,
                            extra_body=eos_logit_bias(tokenizer) if spec.bans_eos_by_logit_bias else {},
                            show_progress=False)
-    asyncio.run(benchmark([replace(requests[0], output_len=4)], options, tokenizer))
+    warmup = sample_requests(tokenizer, 1, (32, 32), (4, 4), seed=WARMUP_SEED)
+    asyncio.run(benchmark(warmup, options, tokenizer))
     metrics, results = asyncio.run(benchmark(requests, replace(options, show_progress=True), tokenizer))
     config = {"server": spec.name, "scenario": scenario.name, "num_prompts": len(requests),
               "max_concurrency": scenario.concurrency, "command": server.command}
@@ -284,12 +290,13 @@ def parse_args(argv: list[str] | None, server_names: list[str]) -> argparse.Name
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per scenario (overrides all)")
     parser.add_argument("--prompt-cap", action="append", default=[],
-                        help="NAME=N: at most N prompts per scenario for server NAME (default naive=16)")
+                        help="NAME=N: at most N prompts per scenario for server NAME "
+                        f"(defaults: {', '.join(f'{k}={v}' for k, v in DEFAULT_PROMPT_CAPS.items())})")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for a server")
     parser.add_argument("--roofline-time", type=float, default=0.5, help="seconds per roofline measurement")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
-    args.prompt_cap = {"naive": 16} | _parse_caps(args.prompt_cap)
+    args.prompt_cap = DEFAULT_PROMPT_CAPS | _parse_caps(args.prompt_cap)
     args.servers = args.servers.split(",")
     args.scenarios = args.scenarios.split(",")
     for name in args.servers:

@@ -58,7 +58,7 @@ WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
 #: Engine steps run after every request has left prefill and before the profiler starts; also timed unprofiled.
 PROFILE_WARMUP_STEPS = 3
-#: Calls under ``EngineCore`` that the profile labels, as dotted attribute paths.
+#: Calls under ``EngineCore`` that the profile labels, as dotted attribute paths; none runs inside another.
 PROFILED_CALLS = (
     "scheduler.schedule",
     "model_runner._update_states",
@@ -68,6 +68,9 @@ PROFILED_CALLS = (
     "model_runner.sampler",
     "scheduler.update_from_output",
 )
+#: The attention backend: one instance serves every layer, so labelling layer 0's labels them all.
+ATTENTION_CALL = "model_runner.model.model.layers.0.self_attn.backend.forward"
+ATTENTION_LABEL = "  of which attention, all layers (KV write + paged attention)"
 STEP_LABEL = "engine_core.step"
 UNLABELLED = "rest of the step (outside the calls above)"
 
@@ -177,6 +180,24 @@ def decode_tok_per_s(token_times_s: Sequence[float]) -> float:
     return (len(token_times_s) - 1) / (token_times_s[-1] - token_times_s[0])
 
 
+def split_steps(steps: Sequence[tuple[float, int, int]]) -> dict[str, float | int]:
+    """Split engine steps into those that ran prompt tokens and decode-only ones.
+
+    Args:
+        steps: per step, (seconds, tokens scheduled, tokens sampled); a step is decode-only when every
+            scheduled token was the last of its request, i.e. as many were sampled as scheduled. Steps that
+            schedule nothing (the one that lets the worker drop finished requests) count in neither kind.
+
+    Returns:
+        Seconds and step counts of each kind, and the mean decode batch (requests per decode-only step).
+    """
+    decode = [(s, sampled) for s, scheduled, sampled in steps if scheduled == sampled > 0]
+    prefill_s = [s for s, scheduled, sampled in steps if scheduled != sampled]
+    return {"prefill_steps": len(prefill_s), "prefill_s": sum(prefill_s), "decode_steps": len(decode),
+            "decode_s": sum(s for s, _ in decode),
+            "mean_decode_batch": statistics.mean(n for _, n in decode) if decode else 0.0}
+
+
 def comparisons(phases: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per goal: our rate, the baseline's, their ratio and whether the goal is met.
 
@@ -234,7 +255,9 @@ def profile_report(profile: dict[str, Any]) -> str:
              f"unprofiled step {profile['step_ms']:.1f} ms, profiled {step_ms:.1f} ms.", "",
              "| Call | ms / step | share of step |", "|---|---:|---:|"]
     lines += [f"| {label} | {ms:.2f} | {ms / step_ms:.0%} |" for label, ms in profile["breakdown_ms"].items()]
-    return "\n".join([*lines, "", "Top ops by self CPU time:", "```", profile["top_ops"].rstrip(), "```"])
+    lines += ["", "Work outside torch ops (e.g. a C kernel called through ctypes) shows as self time of the labelled "
+              "call that runs it.", "", "Top ops by self CPU time:", "```", profile["top_ops"].rstrip(), "```"]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -288,6 +311,19 @@ def _load_hf() -> tuple[Any, float]:
     return model, time.perf_counter() - start
 
 
+class _TokenClock:
+    """A transformers streamer that notes when each ``put`` arrives; the first ``put`` is the prompt."""
+
+    def __init__(self) -> None:
+        self.times_s: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times_s.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def _hf_generate(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
                  streamer: _TokenClock | None = None) -> torch.Tensor:
     """Greedy ``generate``; returns the ``[batch, new_tokens]`` new token ids.
@@ -320,29 +356,40 @@ def _single_result(start_s: float, token_times_s: list[float], load_s: float) ->
             "load_s": load_s}
 
 
-class _TokenClock:
-    """A transformers streamer that notes when each ``put`` arrives; the first ``put`` is the prompt."""
+@contextlib.contextmanager
+def recorded_steps(core: Any, log: list[tuple[float, int, int]]) -> Iterator[None]:
+    """Append (seconds, tokens scheduled, tokens sampled) of every ``core.step()`` to ``log`` while the block runs."""
+    original = core.step
 
-    def __init__(self) -> None:
-        self.times_s: list[float] = []
+    def step() -> Any:
+        scheduled_before = core.make_stats().num_scheduled_tokens
+        start = time.perf_counter()
+        outputs = original()
+        seconds = time.perf_counter() - start
+        log.append((seconds, core.make_stats().num_scheduled_tokens - scheduled_before,
+                    sum(len(o.new_token_ids) for o in outputs)))
+        return outputs
 
-    def put(self, value: torch.Tensor) -> None:
-        self.times_s.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
+    core.step = step
+    try:
+        yield
+    finally:
+        del core.step  # the class's method shows through again
 
 
 def engine_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
-    """Our ``LLM.generate`` on all prompts at once."""
+    """Our ``LLM.generate`` on all prompts at once, with the time its engine steps took by kind."""
     llm, load_s = _load_llm(cfg)
     llm.generate(prompts.warmup, _greedy(WARMUP_TOKENS), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts.batch, _greedy(cfg.output_len), use_tqdm=False)
-    seconds = time.perf_counter() - start
+    steps: list[tuple[float, int, int]] = []
+    with recorded_steps(llm.engine_core, steps):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts.batch, _greedy(cfg.output_len), use_tqdm=False)
+        seconds = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     return _rate(seconds, sum(map(len, token_ids)), load_s=load_s, token_ids=token_ids,
-                 num_preemptions=llm.engine_core.make_stats().num_preemptions)
+                 num_preemptions=llm.engine_core.make_stats().num_preemptions,
+                 outside_steps_s=seconds - sum(s for s, _, _ in steps), **split_steps(steps))
 
 
 def engine_single_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
@@ -442,21 +489,26 @@ def engine_profile_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
         step()
     step_ms = (time.perf_counter() - start) / PROFILE_WARMUP_STEPS * 1e3
     decoding = []
-    with labelled_calls(core, PROFILED_CALLS), torch.profiler.profile(
+    with labelled_calls(core, (*PROFILED_CALLS, ATTENTION_CALL)), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for _ in range(cfg.profile_steps):
             with torch.profiler.record_function(STEP_LABEL):
                 decoding.append(step())
-    events = {e.key: e for e in profiler.key_averages()}
-    breakdown = {label: events[label].cpu_time_total / cfg.profile_steps / 1e3
-                 for label in (STEP_LABEL, *PROFILED_CALLS) if label in events}
-    # The labelled calls never nest in one another, so what they leave of the step is the glue between them.
-    breakdown[UNLABELLED] = breakdown[STEP_LABEL] - sum(ms for label, ms in breakdown.items() if label != STEP_LABEL)
-    core.abort_requests(list(generated))
+    averages = profiler.key_averages()
+    events = {e.key: e for e in averages}
+
+    def per_step_ms(label: str) -> float:
+        return events[label].cpu_time_total / cfg.profile_steps / 1e3
+
+    breakdown = {STEP_LABEL: per_step_ms(STEP_LABEL)}
+    for label in PROFILED_CALLS:
+        breakdown[label] = per_step_ms(label)
+        if label == "model_runner._forward":
+            breakdown[ATTENTION_LABEL] = per_step_ms(ATTENTION_CALL)
+    breakdown[UNLABELLED] = breakdown[STEP_LABEL] - sum(map(per_step_ms, PROFILED_CALLS))
     return {"seconds": step_ms * PROFILE_WARMUP_STEPS / 1e3, "output_tokens": sum(decoding),
             "steps": cfg.profile_steps, "decoding_requests": min(decoding), "step_ms": step_ms,
-            "breakdown_ms": breakdown,
-            "top_ops": profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)}
+            "breakdown_ms": breakdown, "top_ops": averages.table(sort_by="self_cpu_time_total", row_limit=20)}
 
 
 PHASES: dict[str, Callable[[BenchConfig, Prompts], dict[str, Any]]] = {
@@ -487,17 +539,22 @@ def run_phase(name: str, cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
 
 
 def _notes(cfg: BenchConfig, prompts: Prompts, phases: dict[str, dict[str, Any]]) -> list[str]:
-    sequential = phases["hf_sequential"]
-    ours = phases["engine"]["token_ids"]
+    sequential, engine = phases["hf_sequential"], phases["engine"]
+    ours = engine["token_ids"]
     same = sum(ours[i] == tokens for i, tokens in sequential["token_ids"].items())
     return [
         f"transformers one-at-a-time ran {cfg.hf_sequential_prompts} of {cfg.num_prompts} prompts (indices "
         f"{sequential['prompt_indices']}, mean {sequential['subset_mean_prompt_len']:.0f} tokens against "
         f"{statistics.mean(map(len, prompts.batch)):.0f} for all); its tok/s is extrapolated to the whole set.",
         f"Greedy outputs identical to transformers on {same} of {len(sequential['token_ids'])} of those prompts.",
+        f"Our LLM.generate: {engine['prefill_s']:.1f} s in {engine['prefill_steps']} steps with prompt tokens, "
+        f"{engine['decode_s']:.1f} s in {engine['decode_steps']} decode-only steps "
+        f"({engine['decode_s'] / max(engine['decode_steps'], 1) * 1e3:.0f} ms each, mean batch "
+        f"{engine['mean_decode_batch']:.1f}), {engine['outside_steps_s']:.2f} s outside EngineCore.step "
+        "(output processing, detokenization).",
         f"Our engine: max_num_seqs {MAX_NUM_SEQS}, max_num_batched_tokens {cfg.max_num_batched_tokens}, "
         f"KV cache {cfg.kv_cache_memory} (allocated up front, so inside our peak RSS), "
-        f"{phases['engine']['num_preemptions']} preemptions.",
+        f"{engine['num_preemptions']} preemptions.",
         f"Single request: first token after {phases['engine_single']['first_token_s'] * 1e3:.0f} ms (ours) and "
         f"{phases['hf_single']['first_token_s'] * 1e3:.0f} ms (transformers); decode tok/s counts the "
         f"{cfg.output_len - 1} tokens after it.",

@@ -20,6 +20,7 @@ from benchmarks.throughput import (
     markdown_report,
     parse_args,
     profile_report,
+    split_steps,
     spread_subset,
 )
 
@@ -48,6 +49,13 @@ def test_decode_rate_excludes_the_first_token() -> None:
     assert decode_tok_per_s([1.0, 1.5, 2.0, 2.5, 3.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="ascending"):
         decode_tok_per_s([1.0])
+
+
+def test_steps_split_into_prefill_and_decode_only() -> None:
+    # (seconds, scheduled, sampled): a full prefill chunk, a mixed step, two decode-only steps of 4, an empty step.
+    split = split_steps([(1.0, 2048, 0), (0.5, 100, 5), (0.2, 4, 4), (0.3, 4, 4), (0.01, 0, 0)])
+    assert split == {"prefill_steps": 2, "prefill_s": 1.5, "decode_steps": 2, "decode_s": 0.5,
+                     "mean_decode_batch": 4}
 
 
 def test_config_validates_sizes_by_name() -> None:
@@ -124,6 +132,8 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert {r["goal"] for r in report["comparisons"]} == {"batched", "sequential", "single_decode"}
     assert report["phases"]["engine"]["output_tokens"] == QUICK.num_prompts * QUICK.output_len
     assert all(p["peak_rss_mib"] > 0 and p["torch_threads"] == 1 for p in report["phases"].values())
+    engine = report["phases"]["engine"]
+    assert engine["prefill_steps"] >= 1 and engine["decode_steps"] >= QUICK.output_len - 1
     assert report["phases"]["engine_profile"]["decoding_requests"] == QUICK.num_prompts
     assert "Greedy outputs identical to transformers on 2 of 2" in " ".join(report["notes"])
     assert "| Measurement |" in capsys.readouterr().out
