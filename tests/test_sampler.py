@@ -362,3 +362,21 @@ def test_sampler_forward_speed_report():
         print(f"\nsampler forward B={batch_size} V={vocab_size} {name}: "
               f"wall median {1e3 * sorted(wall)[2]:.1f} ms (min {1e3 * min(wall):.1f}), "
               f"process CPU min {1e3 * min(cpu):.1f} ms")
+
+
+def test_dense_penalties_used_on_gpu_equal_the_sparse_ones():
+    """The GPU path (dense [B, V] counts, no host sync) must give the CPU path's logits."""
+    from engine.worker.sampler import _apply_penalties_dense_, _apply_penalties_sparse_
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, batch = 50, 6
+    outputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (0, 1, 5, 17, 3, 40)]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (4, 1, 9, 2, 30, 7)]
+    metadata = make_metadata(batch, presence=[0.0, 0.5, -1.0, 1.5, 0.2, 2.0], frequency=[0.1, 0.0, 0.7, -0.3, 1.0, 0.4],
+                             repetition=[1.0, 1.3, 0.8, 2.0, 1.1, 1.5], prompt_token_ids=prompts,
+                             output_token_ids=outputs, vocab_size=vocab)
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    sparse, dense = logits.clone(), logits.clone()
+    _apply_penalties_sparse_(sparse, metadata)
+    _apply_penalties_dense_(dense, metadata)
+    torch.testing.assert_close(dense, sparse)

@@ -207,6 +207,40 @@ def _add_logit_bias_(logits: torch.Tensor, logit_bias: list[dict[int, float] | N
 
 
 def _apply_penalties_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Penalise ``logits`` in place (see ``_apply_penalties_sparse_`` and ``_apply_penalties_dense_``)."""
+    if logits.is_cuda:
+        _apply_penalties_dense_(logits, metadata)
+    else:
+        _apply_penalties_sparse_(logits, metadata)
+
+
+def _apply_penalties_dense_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Penalise ``logits`` in place through dense ``[B, V]`` counts (vLLM's way).
+
+    Every shape is known up front, so on a GPU nothing waits for the device;
+    the sparse variant's ``unique`` and boolean indexing would each force a sync.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    max_len = max((len(ids) for ids in metadata.output_token_ids), default=0)
+    padded = [ids + [vocab_size] * (max_len - len(ids)) for ids in metadata.output_token_ids]
+    output_ids = torch.tensor(padded, dtype=torch.int64).view(num_rows, max_len).to(device, non_blocking=True)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=device)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab_size]
+    seen = counts > 0
+    if metadata.prompt_token_ids is not None:
+        in_prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=device)
+        in_prompt.scatter_(1, metadata.prompt_token_ids.to(device), True)
+        seen = seen | in_prompt[:, :vocab_size]
+    repetition = metadata.repetition_penalties.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= (metadata.frequency_penalties.unsqueeze(1) * counts
+               + metadata.presence_penalties.unsqueeze(1) * (counts > 0))
+
+
+def _apply_penalties_sparse_(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """Penalise ``logits`` in place, touching only the (row, token) pairs that occur.
 
     Works on indices into the flattened ``[B * V]`` logits, made unique with
@@ -282,13 +316,17 @@ def _top_k_threshold(probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     unlimited = top_k >= probs.shape[-1]
     # Unlimited rows would force a full sort; they read column 0 and are reset to 0.
     top_k = top_k.masked_fill(unlimited, 1)
-    kth_largest = probs.topk(int(top_k.max()), dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
+    # On a GPU a full top-k costs less than the device-to-host sync that sizing it would need.
+    num_candidates = probs.shape[-1] if probs.is_cuda else int(top_k.max())
+    kth_largest = probs.topk(num_candidates, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
     return kth_largest.masked_fill(unlimited.unsqueeze(1), 0.0)
 
 
 def _top_k_top_p_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """``[B, 1]`` each row's smallest kept probability under top-k then top-p (0 = keep all)."""
     vocab_size = probs.shape[-1]
+    if probs.is_cuda:  # no data-dependent sizes, so no device-to-host sync: sort every row in full
+        return _head_threshold(probs, top_k, top_p, vocab_size)[0]
     limited_k = top_k[top_k < vocab_size]
     num_candidates = min(vocab_size, max(TOP_P_CANDIDATES, int(limited_k.max()) if len(limited_k) else 0))
     threshold, settled = _head_threshold(probs, top_k, top_p, num_candidates)
