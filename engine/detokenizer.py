@@ -26,6 +26,9 @@ PROMPT_CONTEXT_TOKENS = 5
 #: What the tokenizer decodes an incomplete (or invalid) UTF-8 byte sequence to.
 REPLACEMENT_CHAR = "\ufffd"
 
+#: Unread tokens that may still be an incomplete character: UTF-8 needs at most 4 bytes.
+MAX_INCOMPLETE_CHAR_TOKENS = 4
+
 
 class IncrementalDetokenizer:
     """Turns the output tokens of one completion into text, a few tokens at a time.
@@ -139,15 +142,23 @@ class IncrementalDetokenizer:
         if not token_ids:
             return
         self.output_token_ids.extend(token_ids)
-        kept = [t for t in token_ids if t not in self._skipped_ids]
-        if not kept:
-            return
-        self._window.extend(kept)
+        # One token at a time, so the unread tail counts only the tokens since the
+        # last complete character (the engine sends one token per step anyway).
+        for token_id in token_ids:
+            if token_id not in self._skipped_ids:
+                self._append_token(token_id)
+
+    def _append_token(self, token_id: int) -> None:
+        self._window.append(token_id)
         prefix_text = self._decode(self._window[:self._read_offset])
         window_text = self._decode(self._window)
-        # Trailing U+FFFD comes from a character whose remaining bytes are in
-        # tokens not generated yet: emit what precedes it, hold it back.
-        stable_end = len(window_text.rstrip(REPLACEMENT_CHAR))
+        # Trailing U+FFFD usually comes from a character whose remaining bytes are
+        # in tokens not generated yet: emit what precedes it, hold it back. But a
+        # character has at most 4 bytes, so past that many unread tokens the
+        # U+FFFD is real (a token for the character itself, or invalid bytes) and
+        # holding it would swallow the rest of the output.
+        incomplete = len(self._window) - self._read_offset <= MAX_INCOMPLETE_CHAR_TOKENS
+        stable_end = len(window_text.rstrip(REPLACEMENT_CHAR)) if incomplete else len(window_text)
         start = len(prefix_text) + self._emitted_past_prefix
         if stable_end > start:
             self.output_text += window_text[start:stable_end]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.detokenizer import MAX_INCOMPLETE_CHAR_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 
 # Chinese, emoji (with ZWJ sequences and a flag), accents, code: many characters
@@ -230,3 +230,19 @@ def test_update_after_stop_raises(tokenizer):
     assert detok.update(encode(tokenizer, HELLO)) == "world"
     with pytest.raises(RuntimeError):
         detok.update([0])
+
+
+def test_a_token_that_is_the_replacement_character_is_not_held_forever(tokenizer):
+    """Regression: greedy decoding of a random prompt produced 256 tokens of a real U+FFFD
+    character (SmolLM2 token 24211, bytes EF BF BD); the stream carried no text at all."""
+    token = tokenizer.convert_tokens_to_ids("ï¿½")
+    assert tokenizer.decode([token]) == REPLACEMENT_CHAR
+    detok = make(tokenizer)
+    deltas, _ = feed(detok, [token] * 20, [1])
+    streamed = "".join(deltas)
+    assert streamed == detok.output_text
+    # Only the last few tokens, which could still be an unfinished character, may be missing.
+    assert REPLACEMENT_CHAR * 16 in streamed and set(streamed) == {REPLACEMENT_CHAR}
+    # It streams instead of piling up: never more than MAX_INCOMPLETE_CHAR_TOKENS empty deltas in a row.
+    gaps = "".join("x" if d else "." for d in deltas[:20]).split("x")
+    assert max(len(g) for g in gaps) <= MAX_INCOMPLETE_CHAR_TOKENS
