@@ -131,6 +131,23 @@ def test_chat_stream_joins_to_the_whole_message(client: httpx.Client) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
 
 
+def test_server_text_equals_offline_llm_text(client: httpx.Client) -> None:
+    """Greedy text over HTTP (streamed and not) equals ``LLM.generate`` / ``LLM.chat`` in-process."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(max_model_len=1024, kv_cache_memory_bytes="64MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompt = "The three primary colors are"
+    offline = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+    body = {"prompt": prompt, "max_tokens": 16, "ignore_eos": True, **GREEDY}
+    assert post(client, "/v1/completions", **body)["choices"][0]["text"] == offline
+    assert joined_text(stream(client, "/v1/completions", **body)) == offline
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    offline_chat = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    chat = post(client, "/v1/chat/completions", messages=messages, max_tokens=16, ignore_eos=True, **GREEDY)
+    assert chat["choices"][0]["message"]["content"] == offline_chat
+
+
 def test_usage_counts_match_tokenize(client: httpx.Client) -> None:
     prompt = "Count the tokens of this prompt, please."
     completion = post(client, "/v1/completions", prompt=prompt, max_tokens=5, **GREEDY)
