@@ -8,6 +8,7 @@ used by the CLI, the YAML loader and the README's configuration table.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,12 @@ def parse_size(value: int | str) -> int:
             f"invalid size {value!r}: expected a number with an optional unit "
             f"(B, KB, MB, GB, KiB, MiB, GiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def cache_dir() -> str:
+    """Where the engine keeps what it builds once (converted GGUF folders, compiled kernels):
+    ``$PAGEDSERVE_CACHE_DIR``, default ``~/.cache/pagedserve``."""
+    return os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve"))
 
 
 def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:

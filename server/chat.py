@@ -21,7 +21,6 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.errors import (
     bad_request,
     check_model,
-    check_sampling_token_ids,
     engine_errors,
     resolve_max_tokens,
 )
@@ -105,7 +104,6 @@ async def create_chat_completion(request: ChatCompletionRequest,
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     with engine_errors():
         params = request.to_sampling_params(max_tokens, logprobs)
-    check_sampling_token_ids(params, len(engine.tokenizer))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(None, token_ids, params, request_id, kind)

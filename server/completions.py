@@ -23,7 +23,6 @@ from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.errors import (
     bad_request,
     check_model,
-    check_sampling_token_ids,
     engine_errors,
     resolve_max_tokens,
 )
@@ -133,7 +132,6 @@ async def create_completion(request: CompletionRequest,
             resolve_max_tokens(request.max_tokens, len(p.token_ids), engine.max_model_len),
             logprobs=request.logprobs, prompt_logprobs=request.logprobs if request.echo else None)
             for p in prompts]
-    check_sampling_token_ids(params[0], len(engine.tokenizer))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = _merge([engine.generate(p.text, p.token_ids, sp, f"{request_id}-{i}", kind)

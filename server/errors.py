@@ -117,16 +117,6 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         raise bad_request(f"{param} has token ids outside [0, {vocab_size}): {bad[:5]}", param)
 
 
-def check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse ``logit_bias`` and ``stop_token_ids`` entries outside the vocabulary.
-
-    The engine indexes its logits with them on its own thread, where a bad id
-    would fail every request in the batch, so they are checked here first.
-    """
-    check_token_ids(params.logit_bias or {}, vocab_size, "logit_bias")
-    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
-
-
 @contextmanager
 def engine_errors() -> Iterator[None]:
     """Translate what building or running a request raises into OpenAI errors.

@@ -70,8 +70,6 @@ class EngineCore:
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(args)
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
         attn_backend = "triton" if self.device.type == "cuda" else "cpu"
         model = load_model(source, self.hf_config, dtype, self.device, attn_backend=attn_backend)
         self.vocab_size = model.vocab_size
@@ -79,13 +77,14 @@ class EngineCore:
         self.eos_token_id = eos if eos is not None else getattr(self.hf_config, "eos_token_id", None)
 
         max_num_batched_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-        num_blocks = self._num_kv_blocks(model, dtype, max_num_batched_tokens)
+        bytes_per_block = kv_cache_bytes_per_block(model.num_layers, args.block_size, model.num_kv_heads,
+                                                   model.head_dim, dtype)
+        num_blocks = self._num_kv_blocks(model, dtype, max_num_batched_tokens, bytes_per_block)
         kv_caches = allocate_kv_caches(model.num_layers, num_blocks, args.block_size, model.num_kv_heads,
                                        model.head_dim, dtype, self.device)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB), max %.1f requests of max_model_len",
                     num_blocks - 1, args.block_size, (num_blocks - 1) * args.block_size,
-                    num_blocks * kv_cache_bytes_per_block(model.num_layers, args.block_size, model.num_kv_heads,
-                                                          model.head_dim, dtype) / 2**20,
+                    num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * args.block_size / self.max_model_len)
         self.model_runner = ModelRunner(model, kv_caches, args.max_num_seqs, self.max_model_len,
                                         max_num_batched_tokens, args.block_size, self.vocab_size, self.device,
@@ -106,12 +105,11 @@ class EngineCore:
                              f"max_position_embeddings {model_max}")
         return args.max_model_len
 
-    def _num_kv_blocks(self, model: torch.nn.Module, dtype: torch.dtype, max_num_batched_tokens: int) -> int:
+    def _num_kv_blocks(self, model: torch.nn.Module, dtype: torch.dtype, max_num_batched_tokens: int,
+                       bytes_per_block: int) -> int:
         args = self.args
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
-        per_block = kv_cache_bytes_per_block(model.num_layers, args.block_size, model.num_kv_heads,
-                                             model.head_dim, dtype)
         if args.kv_cache_memory_bytes is not None:
             memory = args.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -122,7 +120,7 @@ class EngineCore:
             memory = available_cuda_kv_bytes(self.device, args.gpu_memory_utilization)
         else:
             memory = DEFAULT_CPU_KV_CACHE_BYTES
-        return num_blocks_for_memory(memory, per_block)
+        return num_blocks_for_memory(memory, bytes_per_block)
 
     # ------------------------------------------------------------------ requests
 

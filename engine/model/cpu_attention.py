@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.config import cache_dir
 from engine.model.attention import register_backend
 from engine.model.torch_attention import TorchAttentionBackend, _StepPlan
 
@@ -52,8 +53,7 @@ def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None when it cannot be built."""
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve")))
-    library = root / "kernels" / f"paged_decode_attention-{key}.so"
+    library = Path(cache_dir()) / "kernels" / f"paged_decode_attention-{key}.so"
     if not library.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:

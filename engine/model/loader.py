@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from engine.config import cache_dir
 from engine.model.registry import CausalLM, model_class
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,7 @@ def gguf_cache_folder(source: ModelSource) -> ModelSource:
         return source
     gguf_path = os.path.join(source.path, source.gguf_file)
     stat = os.stat(gguf_path)
-    root = os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve"))
-    folder = os.path.join(root, "gguf", f"{source.display_name}-{stat.st_size}-{stat.st_mtime_ns}")
+    folder = os.path.join(cache_dir(), "gguf", f"{source.display_name}-{stat.st_size}-{stat.st_mtime_ns}")
     if not os.path.isfile(os.path.join(folder, "model.safetensors")):
         _convert_gguf(source, folder)
     return ModelSource(folder, None, source.display_name)
