@@ -194,9 +194,9 @@ class ModelRunner:
         req_ids = list(batch.req_ids[:num_reqs])
         prompt_logprobs = (self._compute_prompt_logprobs(hidden_states, inputs, req_ids)
                            if batch.prompt_logprobs_req_ids else {})
+        # CachedRequestState.num_computed_tokens is not advanced here: it is only read
+        # when a row is (re)added, and _update_states sets it from the scheduler first.
         batch.num_computed_tokens_cpu[:num_reqs] = inputs.attn_metadata.seq_lens_cpu
-        for req_id, seq_len in zip(req_ids, inputs.attn_metadata.seq_lens_cpu.tolist(), strict=True):
-            self.requests[req_id].num_computed_tokens = seq_len
 
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list[list[TokenLogprobs] | None] | None = None
