@@ -1,9 +1,12 @@
-"""This machine's roofline: sustained fp32 matmul FLOP/s and memory bandwidth.
+"""This machine's roofline: sustained matmul FLOP/s (fp32 and bf16) and memory bandwidth.
 
 The matmuls are the model's own GEMMs (every projection of every layer plus
 the LM head, all layers' weights allocated so they stream from memory as in a
-real forward pass) at 16, 128 and 512 token rows. Bandwidth is a large tensor
-copy. Both use as many torch threads as this process may use cores.
+real forward pass) at 16, 128 and 512 token rows, in each dtype the engine can
+serve in (bf16 runs on the CPU's bf16 dot-product instructions where it has
+them, so its peak is its own), through the engine's own ``Linear`` (weights
+packed for oneDNN as the engine packs them). Bandwidth is a large tensor copy. Both use as
+many torch threads as this process may use cores.
 
     python -m benchmarks.roofline --result-json benchmarks/results/roofline.json
 """
@@ -21,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from engine.model.layers import Linear, can_pack_weights
+
 TOKEN_ROWS = (16, 128, 512)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -68,28 +74,38 @@ def _best_time_s(fn: Callable[[], object], min_time_s: float, min_reps: int = 3)
     return min(times)
 
 
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
+    """A random ``Linear`` running the GEMM kernel the engine runs (packed where the engine packs)."""
+    linear = Linear(in_features, out_features)
+    linear.weight.data = torch.randn(out_features, in_features, dtype=dtype)
+    if can_pack_weights(torch.device("cpu"), dtype):
+        linear.pack()
+    return linear
+
+
 def measure_matmul_flops(shape: ModelShape = SMOLLM2_135M, token_rows: tuple[int, ...] = TOKEN_ROWS,
-                         min_time_s: float = 1.0) -> dict[int, float]:
-    """Sustained fp32 FLOP/s of one forward pass's GEMMs at each token count.
+                         min_time_s: float = 1.0, dtype: torch.dtype = torch.float32) -> dict[int, float]:
+    """Sustained FLOP/s of one forward pass's GEMMs at each token count.
 
     Args:
         shape: the model whose projections are timed.
         token_rows: M, the number of token rows multiplied through each weight.
         min_time_s: how long to repeat each measurement, in seconds.
+        dtype: of weights and activations.
     Returns:
         ``{M: FLOP/s}`` where a pass does 2 * M * in * out FLOPs per GEMM.
     """
     torch.set_num_threads(num_threads())
-    layers = [[torch.randn(n, k) for k, n in shape.layer_gemms()] for _ in range(shape.num_layers)]
-    lm_head = torch.randn(shape.vocab_size, shape.hidden_size)
-    weights = [w for layer in layers for w in layer] + [lm_head]
-    flops_per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
-    inputs = {k: {m: torch.randn(m, k) for m in token_rows} for k in {w.shape[1] for w in weights}}
+    linears = [_linear(k, n, dtype) for _ in range(shape.num_layers) for k, n in shape.layer_gemms()]
+    linears.append(_linear(shape.hidden_size, shape.vocab_size, dtype))
+    flops_per_row = sum(2 * k * n for _ in range(shape.num_layers) for k, n in shape.layer_gemms())
+    flops_per_row += 2 * shape.hidden_size * shape.vocab_size
+    inputs = {k: {m: torch.randn(m, k, dtype=dtype) for m in token_rows} for k in {lin.in_features for lin in linears}}
 
     def forward(m: int) -> None:
         with torch.inference_mode():
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]][m], w)
+            for linear in linears:
+                linear(inputs[linear.in_features][m])
 
     return {m: flops_per_row * m / _best_time_s(lambda m=m: forward(m), min_time_s) for m in token_rows}
 
@@ -143,31 +159,35 @@ def cpu_model() -> str:
 
 
 def measure_roofline(min_time_s: float = 1.0) -> dict[str, object]:
-    """Both measurements plus machine facts, as one JSON-ready dict (FLOP/s, bytes/s)."""
-    flops = measure_matmul_flops(min_time_s=min_time_s)
+    """Both measurements plus machine facts, as one JSON-ready dict (FLOP/s, bytes/s).
+
+    ``matmul_flops`` and ``peak_matmul_flops`` are keyed by dtype name (``DTYPES``).
+    """
+    flops = {name: measure_matmul_flops(min_time_s=min_time_s, dtype=dtype) for name, dtype in DTYPES.items()}
     return {
         "cpu": cpu_model(),
         "threads": num_threads(),
         "torch": torch.__version__,
         "model_shape": asdict(SMOLLM2_135M),
-        "matmul_flops": {str(m): f for m, f in flops.items()},
-        "peak_matmul_flops": max(flops.values()),
+        "matmul_flops": {name: {str(m): f for m, f in by_rows.items()} for name, by_rows in flops.items()},
+        "peak_matmul_flops": {name: max(by_rows.values()) for name, by_rows in flops.items()},
         "bandwidth_bytes_per_s": measure_bandwidth(min_time_s=min_time_s),
     }
 
 
 def format_roofline(roofline: dict[str, object]) -> str:
-    """Human-readable lines: GFLOP/s per token count, GB/s."""
+    """Human-readable lines: GFLOP/s per dtype and token count, GB/s."""
     lines = [f"CPU: {roofline['cpu']} ({roofline['threads']} threads, torch {roofline['torch']})"]
-    lines += [f"fp32 matmul, M={m:>4} rows: {f / 1e9:8.1f} GFLOP/s"
-              for m, f in roofline["matmul_flops"].items()]  # type: ignore[union-attr]
+    lines += [f"{name:>8} matmul, M={m:>4} rows: {f / 1e9:8.1f} GFLOP/s"
+              for name, by_rows in roofline["matmul_flops"].items()  # type: ignore[union-attr]
+              for m, f in by_rows.items()]
     lines.append(f"memory bandwidth (copy):  {roofline['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s")  # type: ignore[operator]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Measure, print, and write JSON."""
-    parser = argparse.ArgumentParser(description="Measure fp32 matmul FLOP/s and memory bandwidth")
+    parser = argparse.ArgumentParser(description="Measure fp32/bf16 matmul FLOP/s and memory bandwidth")
     parser.add_argument("--result-json", type=Path, default=Path("benchmarks/results/roofline.json"))
     parser.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement")
     args = parser.parse_args(argv)

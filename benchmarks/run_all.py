@@ -48,6 +48,7 @@ from benchmarks.serve import ServeOptions, benchmark, fetch_first_model, result_
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 LLAMA_CPP_PYTHON_CTX = 2048  # tokens; the longest scenario needs 512 + 256
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 CTX_SLACK = 64  # tokens per llama-server slot beyond prompt + output, for BOS/template
 # The warm-up prompt has its own seed so that it primes no prefix cache for the measured prompts.
 WARMUP_SEED = 2**32 - 1
@@ -98,8 +99,14 @@ class ServerSpec:
     name: str
     command: Callable[[int, Scenario], list[str]]  # (port, scenario) -> argv
     missing: Callable[[], str | None]  # why it cannot run here, or None
-    fp32_weights: bool  # True: weights dequantized to fp32; False: the GGUF's own quantized bytes
+    # The dtype weights are served in ("float32", "bfloat16"); None: the GGUF's own quantized bytes.
+    weight_dtype: str | None
     bans_eos_by_logit_bias: bool = False  # the server ignores ignore_eos; ban EOS through logit_bias
+
+    @property
+    def compute_dtype(self) -> str:
+        """The roofline whose peak MFU is measured against; llama.cpp's kernels compute in fp32."""
+        return self.weight_dtype or "float32"
 
 
 def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
@@ -109,26 +116,29 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
     def no_module(module: str, install: str) -> Callable[[], str | None]:
         return lambda: None if importlib.util.find_spec(module) else f"not installed ({install})"
 
+    def pagedserve(dtype: str) -> Callable[[int, Scenario], list[str]]:
+        return lambda port, _: [python, "-m", "server", "serve", "--host", HOST, "--port", str(port),
+                                "--dtype", dtype]
+
     specs = [
-        ServerSpec("pagedserve", lambda port, _: [python, "-m", "server", "serve", "--host", HOST,
-                                                  "--port", str(port)],
-                   missing=lambda: None, fp32_weights=True),
+        ServerSpec("pagedserve", pagedserve("float32"), missing=lambda: None, weight_dtype="float32"),
+        ServerSpec("pagedserve-bf16", pagedserve("bfloat16"), missing=lambda: None, weight_dtype="bfloat16"),
         ServerSpec("naive", lambda port, _: [python, "-m", "benchmarks.baselines.naive_server",
                                              "--host", HOST, "--port", str(port)],
-                   missing=lambda: None, fp32_weights=True),
+                   missing=lambda: None, weight_dtype="float32"),
         ServerSpec("llama-cpp-python", lambda port, _: [
             python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", HOST, "--port", str(port),
             "--interrupt_requests", "False", "--n_threads", cores, "--n_threads_batch", cores,
             "--n_ctx", str(LLAMA_CPP_PYTHON_CTX)],
                    missing=no_module("llama_cpp", "see benchmarks/baselines/README.md"),
-                   fp32_weights=False, bans_eos_by_logit_bias=True),
+                   weight_dtype=None, bans_eos_by_logit_bias=True),
         ServerSpec("llama-server", lambda port, s: [
             llama_server_binary() or "llama-server", "-m", str(gguf), "--host", HOST, "--port", str(port),
             "-np", str(s.concurrency), "-c", str((s.input_len[1] + s.output_len + CTX_SLACK) * s.concurrency),
             "-t", cores, "-tb", cores, "--cont-batching"],
                    missing=lambda: None if llama_server_binary() else
                    "binary not found (see benchmarks/baselines/README.md)",
-                   fp32_weights=False),
+                   weight_dtype=None),
     ]
     return {s.name: s for s in specs}
 
@@ -211,8 +221,10 @@ def add_derived_metrics(run: dict[str, Any], spec: ServerSpec, weights: WeightSt
     """Add MFU and, at concurrency 1, the bandwidth bound per output token (ms) to ``run``."""
     run["mfu"] = model_flops_utilisation(
         run["total_prompt_tokens"], run["total_output_tokens"], weights.non_embedding_params,
-        weights.all_params, run["duration_s"], roofline["peak_matmul_flops"])
-    weight_bytes = weights.all_params * 4 if spec.fp32_weights else weights.weight_bytes
+        weights.all_params, run["duration_s"], roofline["peak_matmul_flops"][spec.compute_dtype])
+    run["mfu_dtype"] = spec.compute_dtype
+    weight_bytes = (weights.all_params * DTYPE_BYTES[spec.weight_dtype] if spec.weight_dtype
+                    else weights.weight_bytes)
     run["decode_weight_bytes"] = weight_bytes
     if run["max_concurrency"] == 1:
         run["bandwidth_bound_ms_per_token"] = 1000 * decode_bandwidth_bound_s(
@@ -237,7 +249,12 @@ def markdown_report(report: dict[str, Any]) -> str:
     """The human-readable report: machine, roofline, scenarios, one table row per run, skips."""
     machine, roof, weights = report["machine"], report["roofline"], report["model"]
     bw = roof["bandwidth_bytes_per_s"]
-    flops = " / ".join(f"{f / 1e9:.1f}" for f in roof["matmul_flops"].values())
+    rows = " / ".join(next(iter(roof["matmul_flops"].values())))
+    flops = "; ".join(f"{name} " + " / ".join(f"{f / 1e9:.1f}" for f in by_rows.values())
+                      + f" (peak {roof['peak_matmul_flops'][name] / 1e9:.1f})"
+                      for name, by_rows in roof["matmul_flops"].items())
+    bounds = ", ".join(f"{1000 * decode_bandwidth_bound_s(n * weights['all_params'], bw):.1f} ms/token with "
+                       f"{name} weights" for name, n in DTYPE_BYTES.items())
     lines = [
         f"# Serving benchmark, {report['date']}", "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
@@ -247,10 +264,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"{weights['weight_bytes'] / 1e6:.1f} MB as stored, "
         f"{4 * weights['all_params'] / 1e6:.1f} MB in fp32).",
         "",
-        f"Roofline: fp32 matmul at the model's GEMMs, M = {' / '.join(roof['matmul_flops'])} token rows: "
-        f"{flops} GFLOP/s (peak {roof['peak_matmul_flops'] / 1e9:.1f}); memory bandwidth (copy) "
-        f"{bw / 1e9:.1f} GB/s. Batch-1 decode bound: "
-        f"{1000 * decode_bandwidth_bound_s(4 * weights['all_params'], bw):.1f} ms/token with fp32 weights, "
+        f"Roofline: matmul at the model's GEMMs, M = {rows} token rows, GFLOP/s: {flops}; memory bandwidth "
+        f"(copy) {bw / 1e9:.1f} GB/s. Batch-1 decode bound: {bounds}, "
         f"{1000 * decode_bandwidth_bound_s(weights['weight_bytes'], bw):.1f} ms/token with the GGUF's.",
         "",
         "Scenarios:", *[f"- {line}" for line in report["scenarios"]], "",
@@ -261,9 +276,10 @@ def markdown_report(report: dict[str, Any]) -> str:
         *[_row(run) for run in report["runs"]],
         "",
         "MFU = (prompt tokens × 2 × non-embedding params + output tokens × 2 × all params) / duration "
-        "/ peak fp32 matmul FLOP/s. llama.cpp computes in its quantized kernels, so its MFU is against "
-        "the same fp32 peak. BW bound = weight bytes a decode step reads / copy bandwidth (concurrency 1 "
-        "only); compare with TPOT. A mean output length under the scenario's means the server stopped "
+        "/ peak matmul FLOP/s in the server's compute dtype (bf16 peak for pagedserve-bf16, fp32 for the "
+        "rest; llama.cpp computes in its quantized kernels, so its MFU is against the fp32 peak). "
+        "BW bound = weight bytes a decode step reads / copy bandwidth (concurrency 1 only); compare with TPOT. "
+        "A mean output length under the scenario's means the server stopped "
         "at EOS. The load generator shares the CPU with the server.",
     ]
     if report["skipped"]:

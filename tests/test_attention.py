@@ -95,6 +95,30 @@ def test_backend_matches_reference(scenario: str, queries_per_kv: int, block_siz
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_backend_in_bfloat16_matches_reference(scenario: str, queries_per_kv: int, backend: str) -> None:
+    """A bf16 cache and activations: the reference sees the same bf16-rounded inputs, in float64."""
+    query_lens, context_lens = SCENARIOS[scenario]
+    step = make_step(query_lens, context_lens, NUM_KV_HEADS * queries_per_kv, 16)
+    query, key, value, kv_cache = (t.bfloat16() for t in step[:4])
+    metadata, context_kv = step[4], step[5]
+    full_kv, start = [], 0
+    for (keys, values), n in zip(context_kv, query_lens, strict=True):
+        context = len(keys) - n
+        full_kv.append((torch.cat([keys[:context].bfloat16().double(), key[start:start + n].double()]),
+                        torch.cat([values[:context].bfloat16().double(), value[start:start + n].double()])))
+        start += n
+    scale = HEAD_DIM ** -0.5
+
+    out = get_attention_backend(backend).forward(query, key, value, kv_cache, metadata, scale)
+
+    assert out.dtype == torch.bfloat16
+    expected = reference_attention(query, query_lens, full_kv, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1.6e-2, atol=1e-2)
+
+
 def test_step_keys_and_values_land_in_their_slots() -> None:
     query, key, value, kv_cache, metadata, _ = make_step([3, 1], [0, 20], NUM_KV_HEADS, 16)
 
@@ -133,11 +157,13 @@ def test_padding_rows_past_the_actual_tokens_are_zero() -> None:
     assert not out[len(query):].any()
 
 
-def test_cpu_decode_kernel_compiles_and_is_used() -> None:
-    """The C kernel must really run here, not silently fall back to torch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_compiles_and_is_used(dtype: torch.dtype) -> None:
+    """The C kernel must really run here for both cache dtypes, not silently fall back to torch."""
     from engine.model.cpu_attention import load_kernel, paged_decode_attention
 
     assert load_kernel() is not None
     query, _, _, kv_cache, metadata, _ = make_step([1, 1], [5, 40], NUM_KV_HEADS * 3, 16)
-    out = paged_decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens + 0, 0.1)
-    assert out is not None and out.shape == query.shape
+    out = paged_decode_attention(query.to(dtype), kv_cache.to(dtype), metadata.block_table, metadata.seq_lens + 0,
+                                 0.1)
+    assert out is not None and out.shape == query.shape and out.dtype == dtype

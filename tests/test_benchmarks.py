@@ -193,7 +193,7 @@ def test_run_all_skips_a_server_that_exits_at_startup(tmp_path: Path) -> None:
     from benchmarks import run_all
 
     spec = run_all.ServerSpec("broken", lambda port, s: [sys.executable, "-c", "raise SystemExit(3)"],
-                              missing=lambda: None, fp32_weights=True)
+                              missing=lambda: None, weight_dtype="float32")
     scenario = run_all.SCENARIOS["P1"]
     runs, skipped = run_all.benchmark_server(spec, [scenario], {"P1": _requests(1)}, None,
                                              WordTokenizer(), startup_timeout_s=10, log_dir=tmp_path)
@@ -205,10 +205,13 @@ def test_run_all_adds_mfu_and_the_batch_1_bandwidth_bound() -> None:
     from benchmarks import run_all
     from benchmarks.model_files import WeightStats
 
-    spec = run_all.ServerSpec("x", lambda port, s: [], missing=lambda: None, fp32_weights=True)
     weights = WeightStats(weight_bytes=10**6, all_params=2 * 10**6, embedding_params=10**6)
-    run = {"total_prompt_tokens": 100, "total_output_tokens": 10, "duration_s": 2.0, "max_concurrency": 1}
-    roofline = {"peak_matmul_flops": 1.2e9, "bandwidth_bytes_per_s": 8e9}
-    run_all.add_derived_metrics(run, spec, weights, roofline)
-    assert run["mfu"] == pytest.approx(0.1)
-    assert run["bandwidth_bound_ms_per_token"] == pytest.approx(1.0)  # 8 MB of fp32 weights at 8 GB/s
+    roofline = {"peak_matmul_flops": {"float32": 1.2e9, "bfloat16": 2.4e9}, "bandwidth_bytes_per_s": 8e9}
+    expected = {  # weight dtype -> (MFU, bound in ms): 8 MB of fp32 weights at 8 GB/s take 1 ms
+        "float32": (0.1, 1.0), "bfloat16": (0.05, 0.5), None: (0.1, 0.125)}
+    for weight_dtype, (mfu, bound_ms) in expected.items():
+        spec = run_all.ServerSpec("x", lambda port, s: [], missing=lambda: None, weight_dtype=weight_dtype)
+        run = {"total_prompt_tokens": 100, "total_output_tokens": 10, "duration_s": 2.0, "max_concurrency": 1}
+        run_all.add_derived_metrics(run, spec, weights, roofline)
+        assert run["mfu"] == pytest.approx(mfu), weight_dtype
+        assert run["bandwidth_bound_ms_per_token"] == pytest.approx(bound_ms), weight_dtype

@@ -29,6 +29,7 @@ from benchmarks.gpu_check import (
     goals,
     greedy_verdict,
     kv_bytes_per_token,
+    near_tie_tolerance,
     parse_sections,
     render_markdown,
     write_summary,
@@ -77,6 +78,7 @@ def test_divergence_reports_the_reference_logit_gap_at_that_step() -> None:
     logits[1] = [0.0, 1.0, 2.0, 1.95, -1.0]  # reference picks 2; runner-up 3 is 0.05 behind
     result = compare_greedy([4, 3, 0], [4, 2, 0], logits)
     assert result["identical"] is False
+    assert result["top_logit"] == 2.0
     assert result["first_divergence"] == 1
     assert (result["engine_token"], result["ref_token"]) == (3, 2)
     assert result["logit_gap"] == pytest.approx(0.05)
@@ -92,6 +94,17 @@ def test_near_ties_pass_and_clear_divergences_fail() -> None:
     assert greedy_verdict([identical, near_tie], "bfloat16") == "pass"
     assert greedy_verdict([identical, clear], "bfloat16") == "FAIL"
     assert greedy_verdict([near_tie], "float32") == "FAIL"
+
+
+def test_a_one_ulp_gap_of_large_bf16_logits_is_a_near_tie() -> None:
+    """bf16 logits in [16, 32) are 0.125 apart: one step there is a tie, two are not (seen on SmolLM2)."""
+    assert near_tie_tolerance("bfloat16", 20.0) == 0.125
+    assert near_tie_tolerance("bfloat16", 1.0) == GAP_TOLERANCE["bfloat16"]
+    one_step = {"identical": False, "logit_gap": 0.125, "top_logit": 20.0}
+    two_steps = {"identical": False, "logit_gap": 0.25, "top_logit": 20.0}
+    assert greedy_verdict([one_step], "bfloat16") == "pass"
+    assert greedy_verdict([two_steps], "bfloat16") == "FAIL"
+    assert greedy_verdict([one_step], "float32") == "FAIL"
 
 
 def test_sections_are_parsed_in_check_order() -> None:

@@ -11,9 +11,11 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from engine.chat_template import chat_prompt_token_ids
+from engine.model.layers import Linear
 from engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
@@ -95,6 +97,29 @@ def smollm2() -> tuple[CausalLM, torch.nn.Module, list[int]]:
 
 def test_smollm2_prefill_logits_match_transformers(smollm2) -> None:
     assert_prefill_logits_match(*smollm2)
+
+
+def test_cpu_load_packs_every_linear_weight_including_the_tied_head(smollm2) -> None:
+    ours = smollm2[0]
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert ours.lm_head in linears  # SmolLM2 ties its head: a packed copy of the embedding table
+    assert ours.model.embed_tokens.weight.layout == torch.strided
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
+    """bf16 is bit-identical; fp32 sums in another order, so it agrees to about 1e-6 relative."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    linear = Linear(64, 96, bias=True)
+    linear.weight.data, linear.bias.data = weight.clone(), bias.clone()
+    linear.pack()
+    expected = F.linear(x, weight, bias)
+    tolerance = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(linear(x), expected, **tolerance)
 
 
 def test_smollm2_greedy_decode_matches_transformers_generate(smollm2) -> None:

@@ -10,8 +10,10 @@ needed and is cached under ``$PAGEDSERVE_CACHE_DIR/kernels``. Its OpenMP
 runtime is torch's own: the dynamic loader resolves ``libgomp.so.1`` to the
 copy torch already loaded, so both share one thread pool.
 
-When no compiler is available, or the dtype is not float32, the backend falls
-back to the torch path (and says so once in the log).
+The cache may be float32 or bfloat16 (half the bytes to read, widened to
+float32 in registers); queries and outputs cross the boundary in float32. When
+no compiler is available, or the cache is float16, the backend falls back to
+the torch path (and says so once in the log).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from engine.model.torch_attention import TorchAttentionBackend, _StepPlan
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
+#: The kernel's entry point for each KV cache dtype it reads.
+_ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -71,9 +75,11 @@ def load_kernel() -> ctypes.CDLL | None:
                 return None
             os.replace(built, library)
     lib = ctypes.CDLL(str(library))
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
-                                           + [ctypes.c_int64] * 5 + [ctypes.c_float])
+    for entry in _ENTRY_POINTS.values():
+        function = getattr(lib, entry)
+        function.restype = ctypes.c_int
+        function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+                             + [ctypes.c_int64] * 5 + [ctypes.c_float])
     return lib
 
 
@@ -82,31 +88,33 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     """Attention of one query token per request over its paged keys and values.
 
     Args:
-        query: ``[num_reqs, num_heads, head_dim]`` float32 on the CPU.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32, contiguous.
+        query: ``[num_reqs, num_heads, head_dim]`` on the CPU, any float dtype.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous.
         block_table: ``[num_reqs, max_blocks]`` int32, contiguous.
         seq_lens: ``[num_reqs]`` int32, keys each query attends to (>= 1).
         scale: softmax scale.
 
     Returns:
-        ``[num_reqs, num_heads, head_dim]`` float32, or None when the kernel is
-        unavailable or does not support these shapes (the caller falls back).
+        ``[num_reqs, num_heads, head_dim]`` in the query's dtype, or None when the
+        kernel is unavailable or does not support this dtype or these shapes
+        (the caller falls back).
     """
     lib = load_kernel()
-    if lib is None or query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+    entry = _ENTRY_POINTS.get(kv_cache.dtype)
+    if lib is None or entry is None:
         return None
-    query, kv_cache = query.contiguous(), kv_cache.contiguous()
+    query_f32, kv_cache = query.float().contiguous(), kv_cache.contiguous()
     num_reqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    out = torch.empty_like(query)
-    status = lib.paged_decode_attention(
-        query.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+    out = torch.empty_like(query_f32)
+    status = getattr(lib, entry)(
+        query_f32.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
         block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
         block_size, scale)
     if status != 0:
         _warn_unsupported(num_heads // num_kv_heads, head_dim, block_size)
         return None
-    return out
+    return out.to(query.dtype)
 
 
 @cache

@@ -19,6 +19,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 _SEQ_LEN_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``Linear.pack`` works here: oneDNN on the CPU, in float32 or (with CPU support) bfloat16."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with uninitialised parameters.
 
@@ -30,11 +37,31 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Replace the weight by a copy reordered once into oneDNN's blocked layout (CPU only).
+
+        ``F.linear`` hands a plain row-major weight to the GEMM, which then
+        re-blocks it on every call; with few token rows that repacking, not
+        the arithmetic, sets the speed. Measured on the 2-core test machine
+        over SmolLM2-135M's GEMMs: 1.4-1.6x faster in bf16 at 1-16 rows and
+        1.25x at 64, 1.7-2.4x in fp32. The same oneDNN kernels serve
+        ``torch.compile``'s CPU backend (inductor's ``mkldnn_fusion`` pass).
+        In bf16 the results are bit-identical to ``F.linear``; in fp32 the
+        summation order differs (relative error about 1e-6). Call after the
+        weights are loaded: the plain weight is dropped.
+        """
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]``."""
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

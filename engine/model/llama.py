@@ -182,8 +182,17 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """See ``CausalLM.compute_logits``."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden_states).float()
+
+    def pack_linear_weights(self) -> None:
+        """See ``CausalLM.pack_linear_weights``; a tied head gets a packed copy of the embedding table."""
+        if self.lm_head is None:
+            embedding = self.model.embed_tokens.weight
+            self.lm_head = Linear(embedding.shape[1], embedding.shape[0])
+            self.lm_head.weight = embedding
+        super().pack_linear_weights()
 
     def checkpoint_weight_names(self) -> list[str]:
         """See ``CausalLM.checkpoint_weight_names``."""

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import cache_dir
+from engine.model.layers import can_pack_weights
 from engine.model.registry import CausalLM, model_class
 
 logger = logging.getLogger(__name__)
@@ -203,9 +204,11 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
     model.load_weights(tqdm(weights, total=len(expected), desc=f"Loading {source.display_name}", disable=None,
                             unit="tensor"))
     model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    if can_pack_weights(device, dtype):
+        model.pack_linear_weights()
     logger.info("loaded %s (%s): %.1fM parameters, %s on %s in %.1f s", source.display_name,
-                type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, dtype, device,
-                time.perf_counter() - start)
+                type(model).__name__, num_params / 1e6, dtype, device, time.perf_counter() - start)
     return model
 
 

@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.model.attention import AttentionMetadata
+from engine.model.layers import Linear
 
 # architecture name -> "module:class"
 _ARCHITECTURES: dict[str, str] = {
@@ -75,6 +76,12 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def checkpoint_weight_names(self) -> list[str]:
         """HF checkpoint names ``load_weights`` expects, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
+
+    def pack_linear_weights(self) -> None:
+        """Reorder every ``Linear`` weight for the CPU's oneDNN kernels (``Linear.pack``), after loading."""
+        for module in list(self.modules()):
+            if isinstance(module, Linear):
+                module.pack()
 
 
 def supported_architectures() -> list[str]:

@@ -1,19 +1,23 @@
 /*
- * Paged attention for one-token (decode) queries on the CPU, fp32.
+ * Paged attention for one-token (decode) queries on the CPU, with the KV cache
+ * in fp32 or bf16. Queries, outputs and all arithmetic are fp32.
  *
  * Each (request, kv head) pair is one task: its query heads (the GQA group)
  * stream once over the request's KV blocks, read in place through the block
  * table, with the online softmax of FlashAttention (Dao et al. 2022,
  * arXiv:2205.14135) so scores never leave a block-sized buffer. Compared with
  * gathering the blocks into a contiguous copy and calling SDPA, every cached
- * byte is read once instead of read, written and read again.
+ * byte is read once instead of read, written and read again. Decode attention
+ * is bound by the bytes of KV it reads, which is why a bf16 cache (half the
+ * bytes) is widened to fp32 in registers rather than kept in fp32.
  *
- * Layouts (contiguous, fp32 unless noted):
- *   query        [num_reqs, num_heads, head_dim]
- *   key/value    [num_blocks, block_size, num_kv_heads, head_dim]
+ * Layouts (contiguous):
+ *   query        [num_reqs, num_heads, head_dim] fp32
+ *   key/value    [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16
  *   block_table  [num_reqs, block_table_stride] int32
  *   seq_lens     [num_reqs] int32 (keys to attend, >= 1)
- *   out          [num_reqs, num_heads, head_dim]
+ *   out          [num_reqs, num_heads, head_dim] fp32
+ * Both entry points return 0, or -1 when the shapes exceed the fixed buffers.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,72 +26,146 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK_SIZE 128
+#define MAX_HEADS 128
+#define MAX_QUERY 8192 /* num_heads * head_dim */
 
-int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
-                           const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens,
-                           float *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, float scale) {
+/* A row of head_dim values, readable as fp32 after being written as raw bits. */
+typedef union {
+    float f32[MAX_HEAD_DIM];
+    uint32_t bits[MAX_HEAD_DIM];
+} row_t;
+
+/* Widen n cache values starting at element `offset` into row->f32; bf16 is the upper half of an fp32. */
+static inline __attribute__((always_inline)) void widen(row_t *row, const void *cache, int64_t offset, int64_t n,
+                                                        int bf16) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)cache + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) row->bits[d] = (uint32_t)src[d] << 16;
+    } else {
+        const float *src = (const float *)cache + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < n; d++) row->f32[d] = src[d];
+    }
+}
+
+/* `bf16` is a compile-time constant in each entry point below, so each gets its own specialised copy. */
+static inline __attribute__((always_inline)) int attend(const float *query, const void *key_cache,
+                                                        const void *value_cache, const int32_t *block_table,
+                                                        int64_t block_table_stride, const int32_t *seq_lens,
+                                                        float *out, int64_t num_reqs, int64_t num_heads,
+                                                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                                        float scale, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE ||
-        group * num_kv_heads != num_heads)
+        num_heads * head_dim > MAX_QUERY || group * num_kv_heads != num_heads)
         return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t block_bytes = block_size * token_stride * (bf16 ? 2 : 4);
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_reqs; r++) {
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            float q[MAX_GROUP][MAX_HEAD_DIM];
-            float acc[MAX_GROUP][MAX_HEAD_DIM];
-            float scores[MAX_GROUP][MAX_BLOCK_SIZE];
-            float running_max[MAX_GROUP], denom[MAX_GROUP];
-            for (int64_t g = 0; g < group; g++) {
-                const float *src = query + (r * num_heads + h * group + g) * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) q[g][d] = src[d] * scale;
-                memset(acc[g], 0, sizeof(float) * head_dim);
-                running_max[g] = -1e30f; /* not -INFINITY: -ffast-math assumes finite values */
-                denom[g] = 0.0f;
+        /* Per query head: the scaled query, the output accumulator and the online-softmax state. */
+        float q[MAX_QUERY], acc[MAX_QUERY], running_max[MAX_HEADS], denom[MAX_HEADS];
+        float scores[MAX_GROUP][MAX_BLOCK_SIZE];
+        float block_max[MAX_GROUP];
+        row_t row;
+        const float *src = query + r * num_heads * head_dim;
+        for (int64_t i = 0; i < num_heads * head_dim; i++) q[i] = src[i] * scale;
+        memset(acc, 0, sizeof(float) * num_heads * head_dim);
+        for (int64_t i = 0; i < num_heads; i++) {
+            running_max[i] = -1e30f; /* not -INFINITY: -ffast-math assumes finite values */
+            denom[i] = 0.0f;
+        }
+        const int64_t seq_len = seq_lens[r];
+        const int32_t *blocks = block_table + r * block_table_stride;
+        for (int64_t start = 0; start < seq_len; start += block_size) {
+            const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+            const int64_t block = blocks[start / block_size];
+            if (start + block_size < seq_len) {
+                /* The next block is elsewhere in memory: ask for it while this one is computed. */
+                const int64_t next = (int64_t)blocks[start / block_size + 1] * block_bytes;
+                for (int64_t offset = 0; offset < block_bytes; offset += 64) {
+                    __builtin_prefetch((const char *)key_cache + next + offset);
+                    __builtin_prefetch((const char *)value_cache + next + offset);
+                }
             }
-            const int64_t seq_len = seq_lens[r];
-            const int32_t *blocks = block_table + r * block_table_stride;
-            for (int64_t start = 0; start < seq_len; start += block_size) {
-                const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-                const int64_t base = ((int64_t)blocks[start / block_size] * block_size) * token_stride + h * head_dim;
-                const float *k = key_cache + base;
-                const float *v = value_cache + base;
-                for (int64_t g = 0; g < group; g++) {
-                    float block_max = running_max[g];
-                    for (int64_t t = 0; t < n; t++) {
-                        const float *kt = k + t * token_stride;
+            /* All kv heads of the block in turn: the block is one contiguous run of memory. */
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const int64_t base = block * block_size * token_stride + h * head_dim;
+                float *qh = q + h * group * head_dim, *acch = acc + h * group * head_dim;
+                float *maxh = running_max + h * group, *denomh = denom + h * group;
+                for (int64_t g = 0; g < group; g++) block_max[g] = maxh[g];
+                /* Each key row is widened once and serves every query head of the group. */
+                for (int64_t t = 0; t < n; t++) {
+                    widen(&row, key_cache, base + t * token_stride, head_dim, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = qh + g * head_dim;
                         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < head_dim; d++) s += q[g][d] * kt[d];
+                        for (int64_t d = 0; d < head_dim; d++) s += qg[d] * row.f32[d];
                         scores[g][t] = s;
-                        block_max = s > block_max ? s : block_max;
+                        block_max[g] = s > block_max[g] ? s : block_max[g];
                     }
-                    const float correction = expf(running_max[g] - block_max);
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float correction = expf(maxh[g] - block_max[g]);
                     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                     for (int64_t t = 0; t < n; t++) {
-                        scores[g][t] = expf(scores[g][t] - block_max);
+                        scores[g][t] = expf(scores[g][t] - block_max[g]);
                         sum += scores[g][t];
                     }
-                    denom[g] = denom[g] * correction + sum;
-                    running_max[g] = block_max;
-                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] *= correction;
-                    for (int64_t t = 0; t < n; t++) {
-                        const float p = scores[g][t];
-                        const float *vt = v + t * token_stride;
+                    denomh[g] = denomh[g] * correction + sum;
+                    maxh[g] = block_max[g];
+                    float *accg = acch + g * head_dim;
 #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * vt[d];
+                    for (int64_t d = 0; d < head_dim; d++) accg[d] *= correction;
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    widen(&row, value_cache, base + t * token_stride, head_dim, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g][t];
+                        float *accg = acch + g * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++) accg[d] += p * row.f32[d];
                     }
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float *dst = out + (r * num_heads + h * group + g) * head_dim;
-                const float inv = 1.0f / denom[g];
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[g][d] * inv;
-            }
+        }
+        float *dst = out + r * num_heads * head_dim;
+        for (int64_t i = 0; i < num_heads; i++) {
+            const float inv = 1.0f / denom[i];
+            for (int64_t d = 0; d < head_dim; d++) dst[i * head_dim + d] = acc[i * head_dim + d] * inv;
         }
     }
     return 0;
+}
+
+/* A head_dim known at compile time lets the compiler unroll the per-row loops into whole vectors. */
+#define DISPATCH_HEAD_DIM(BF16)                                                                                 \
+    switch (head_dim) {                                                                                         \
+    case 64:                                                                                                    \
+        return attend(query, key_cache, value_cache, block_table, block_table_stride, seq_lens, out, num_reqs,  \
+                      num_heads, num_kv_heads, 64, block_size, scale, BF16);                                    \
+    case 128:                                                                                                   \
+        return attend(query, key_cache, value_cache, block_table, block_table_stride, seq_lens, out, num_reqs,  \
+                      num_heads, num_kv_heads, 128, block_size, scale, BF16);                                   \
+    default:                                                                                                    \
+        return attend(query, key_cache, value_cache, block_table, block_table_stride, seq_lens, out, num_reqs,  \
+                      num_heads, num_kv_heads, head_dim, block_size, scale, BF16);                              \
+    }
+
+int paged_decode_attention_f32(const float *query, const float *key_cache, const float *value_cache,
+                               const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens,
+                               float *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, float scale) {
+    DISPATCH_HEAD_DIM(0)
+}
+
+int paged_decode_attention_bf16(const float *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens,
+                                float *out, int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t block_size, float scale) {
+    DISPATCH_HEAD_DIM(1)
 }
