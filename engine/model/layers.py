@@ -14,6 +14,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.model.cpu_threads import all_threads
+
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.
 _SEQ_LEN_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -60,9 +62,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` -> ``[..., out_features]``."""
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        with all_threads():
+            if self.packed_weight is not None:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from engine.model.cpu_threads import all_threads
 from engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.model.registry import CausalLM
 
@@ -78,8 +79,9 @@ class LlamaAttention(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
-                                   attn_metadata, self.scale)
+        with all_threads():
+            out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
+                                       attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

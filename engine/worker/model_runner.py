@@ -12,6 +12,7 @@ import torch
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.model.attention import AttentionMetadata
+from engine.model.cpu_threads import serial_elementwise
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from engine.worker.input_batch import CachedRequestState, InputBatch
@@ -21,6 +22,9 @@ logger = logging.getLogger(__name__)
 
 #: Prompt positions whose logprobs are computed at once (bounds the fp32 logits' memory).
 _PROMPT_LOGPROBS_ROWS = 256
+#: CPU steps of at most this many tokens run their elementwise ops on one thread. Above it (long
+#: prefill chunks) each op has hundreds of thousands of elements and parallelising them pays.
+SERIAL_ELEMENTWISE_MAX_TOKENS = 512
 
 
 @dataclass
@@ -227,7 +231,10 @@ class ModelRunner:
                                                  metadata.seq_lens, metadata.block_table)
             if hidden_states is not None:
                 return hidden_states
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
+        # See engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
+        serial = self.device.type == "cpu" and len(inputs.input_ids) <= SERIAL_ELEMENTWISE_MAX_TOKENS
+        with serial_elementwise(serial):
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)
 
     def _compute_prompt_logprobs(self, hidden_states: torch.Tensor, inputs: StepInputs,
                                  req_ids: list[str]) -> dict[str, list[TokenLogprobs | None]]:
