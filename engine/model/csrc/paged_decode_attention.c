@@ -8,8 +8,11 @@
  * arXiv:2205.14135) so scores never leave a block-sized buffer. Compared with
  * gathering the blocks into a contiguous copy and calling SDPA, every cached
  * byte is read once instead of read, written and read again. Decode attention
- * is bound by the bytes of KV it reads, which is why a bf16 cache (half the
- * bytes) is widened to fp32 in registers rather than kept in fp32.
+ * is bound by the bytes of KV it reads and by the latency of reading them:
+ * a bf16 cache (half the bytes) is widened to fp32 in registers rather than
+ * kept in fp32, and since blocks lie at random places, every row read also
+ * prefetches the same row of the request's next block (measured on the
+ * 2-core test machine, 64 requests of 80-320 tokens: 1.38 -> 1.00 ms per layer).
  *
  * Layouts (contiguous):
  *   query        [num_reqs, num_heads, head_dim] fp32
@@ -49,6 +52,14 @@ static inline __attribute__((always_inline)) void widen(row_t *row, const void *
     }
 }
 
+/* Ask for the cache lines of n values starting at element `offset`. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *cache, int64_t offset, int64_t n,
+                                                              int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    const char *start = (const char *)cache + offset * size;
+    for (int64_t byte = 0; byte < n * size; byte += 64) __builtin_prefetch(start + byte);
+}
+
 /* `bf16` is a compile-time constant in each entry point below, so each gets its own specialised copy. */
 static inline __attribute__((always_inline)) int attend(const float *query, const void *key_cache,
                                                         const void *value_cache, const int32_t *block_table,
@@ -61,7 +72,6 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
         num_heads * head_dim > MAX_QUERY || group * num_kv_heads != num_heads)
         return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t block_bytes = block_size * token_stride * (bf16 ? 2 : 4);
 
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t r = 0; r < num_reqs; r++) {
@@ -82,22 +92,19 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
         for (int64_t start = 0; start < seq_len; start += block_size) {
             const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
             const int64_t block = blocks[start / block_size];
-            if (start + block_size < seq_len) {
-                /* The next block is elsewhere in memory: ask for it while this one is computed. */
-                const int64_t next = (int64_t)blocks[start / block_size + 1] * block_bytes;
-                for (int64_t offset = 0; offset < block_bytes; offset += 64) {
-                    __builtin_prefetch((const char *)key_cache + next + offset);
-                    __builtin_prefetch((const char *)value_cache + next + offset);
-                }
-            }
+            /* The next block is elsewhere in memory, where no hardware prefetcher looks: each row read
+               below asks for the same row of the next block, a block's work ahead of its use. */
+            const int64_t next_block = start + block_size < seq_len ? blocks[start / block_size + 1] : -1;
             /* All kv heads of the block in turn: the block is one contiguous run of memory. */
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t base = block * block_size * token_stride + h * head_dim;
+                const int64_t next_base = next_block * block_size * token_stride + h * head_dim;
                 float *qh = q + h * group * head_dim, *acch = acc + h * group * head_dim;
                 float *maxh = running_max + h * group, *denomh = denom + h * group;
                 for (int64_t g = 0; g < group; g++) block_max[g] = maxh[g];
                 /* Each key row is widened once and serves every query head of the group. */
                 for (int64_t t = 0; t < n; t++) {
+                    if (next_block >= 0) prefetch_row(key_cache, next_base + t * token_stride, head_dim, bf16);
                     widen(&row, key_cache, base + t * token_stride, head_dim, bf16);
                     for (int64_t g = 0; g < group; g++) {
                         const float *qg = qh + g * head_dim;
@@ -123,6 +130,7 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
                     for (int64_t d = 0; d < head_dim; d++) accg[d] *= correction;
                 }
                 for (int64_t t = 0; t < n; t++) {
+                    if (next_block >= 0) prefetch_row(value_cache, next_base + t * token_stride, head_dim, bf16);
                     widen(&row, value_cache, base + t * token_stride, head_dim, bf16);
                     for (int64_t g = 0; g < group; g++) {
                         const float p = scores[g][t];
