@@ -1,7 +1,8 @@
 """Offline throughput: our ``LLM.generate`` against transformers ``generate`` on the same prompts.
 
-One run measures, on the embedded SmolLM2-135M in float32, greedy, every output
-exactly ``--output-len`` tokens long (``ignore_eos``):
+One run measures, on the embedded SmolLM2-135M in ``--dtype`` (float32 unless
+told; both engines), greedy, every output exactly ``--output-len`` tokens long
+(``ignore_eos``):
 
 1. output tokens/s of ``LLM.generate`` over all prompts at once;
 2. transformers ``generate`` one prompt at a time, on ``--hf-sequential-prompts``
@@ -53,6 +54,7 @@ from benchmarks.roofline import cpu_model, num_threads
 #: Goals of issue 3: ours / baseline at least this much.
 GOALS = {"batched": 1.0, "sequential": 5.0, "single_decode": 0.9}
 MAX_NUM_SEQS = 64
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Prompts and new tokens of the warm-up call each phase makes before timing.
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
@@ -94,12 +96,15 @@ class BenchConfig:
     kv_cache_memory: str = "2GiB"  # holds every prompt plus its output at once: no preemption
     seed: int = 0
     threads: int | None = None  # torch threads in every phase; None = torch's default
+    dtype: str = "float32"  # of both engines' weights and activations
 
     def __post_init__(self) -> None:
         for name, low in (("num_prompts", 1), ("output_len", 2), ("hf_sequential_prompts", 1), ("hf_batch_size", 1),
                           ("single_prompt_len", 1), ("profile_steps", 1), ("threads", 1)):
             if getattr(self, name) is not None and getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.hf_sequential_prompts > self.num_prompts:
             raise ValueError(f"hf_sequential_prompts must be <= num_prompts ({self.num_prompts}), "
                              f"got {self.hf_sequential_prompts}")
@@ -236,7 +241,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     machine = report["machine"]
     threads = sorted({p["torch_threads"] for p in phases.values()})
     lines = [f"{cfg['num_prompts']} prompts of {low}-{high} tokens, {cfg['output_len']} output tokens each, "
-             f"greedy, float32; {machine['cpu']}, {machine['cpu_cores']} cores, torch threads {threads}, "
+             f"greedy, {cfg.get('dtype', 'float32')}; {machine['cpu']}, {machine['cpu_cores']} cores, "
+             f"torch threads {threads}, "
              f"torch {machine['torch']}, transformers {machine['transformers']}.", "",
              "| Measurement | Ours | transformers | Ratio | Goal | Met |", "|---|---:|---:|---:|---:|---|"]
     lines += [f"| {titles[r['goal']]} | {r['ours']:.1f} | {r['baseline']:.1f} | {r['ratio']:.2f}x "
@@ -297,16 +303,16 @@ def _load_llm(cfg: BenchConfig) -> tuple[Any, float]:
 
     start = time.perf_counter()
     llm = LLM(max_model_len=cfg.max_model_len, kv_cache_memory_bytes=cfg.kv_cache_memory, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=cfg.max_num_batched_tokens)
+              max_num_batched_tokens=cfg.max_num_batched_tokens, dtype=cfg.dtype)
     return llm, time.perf_counter() - start
 
 
-def _load_hf() -> tuple[Any, float]:
-    """The transformers model (float32, eval, EOS disabled), and its load time in seconds."""
+def _load_hf(cfg: BenchConfig) -> tuple[Any, float]:
+    """The transformers model (``cfg.dtype``, eval, EOS disabled), and its load time in seconds."""
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(model_folder(), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_folder(), dtype=DTYPES[cfg.dtype]).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: every output is max_new_tokens long
     return model, time.perf_counter() - start
 
@@ -408,7 +414,7 @@ def engine_single_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
 
 def hf_sequential_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     """transformers ``generate`` one prompt at a time over a length-spread subset of the prompts."""
-    model, load_s = _load_hf()
+    model, load_s = _load_hf(cfg)
     _hf_one(model, prompts.warmup[0], WARMUP_TOKENS)
     indices = spread_subset([len(p) for p in prompts.batch], cfg.hf_sequential_prompts)
     start = time.perf_counter()
@@ -420,7 +426,7 @@ def hf_sequential_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
 
 def hf_batched_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     """transformers batched ``generate``, ``hf_batch_size`` left-padded prompts per call."""
-    model, load_s = _load_hf()
+    model, load_s = _load_hf(cfg)
     pad_id = model.config.pad_token_id or 0
     _hf_generate(model, *left_pad(prompts.warmup, pad_id), WARMUP_TOKENS)
     start = time.perf_counter()
@@ -433,7 +439,7 @@ def hf_batched_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
 
 def hf_single_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     """transformers' single-request decode rate."""
-    model, load_s = _load_hf()
+    model, load_s = _load_hf(cfg)
     _hf_one(model, prompts.warmup[0], WARMUP_TOKENS)
     clock = _TokenClock()
     _hf_one(model, prompts.single, cfg.output_len, clock)
@@ -593,6 +599,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchConfig, argparse.Namespace]
     parser.add_argument("--kv-cache-memory", help="our engine's KV cache size (2GiB)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--threads", type=int, help="torch threads in every phase (default: torch's choice)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="of both engines (default float32)")
     parser.add_argument("--quick", action="store_true", help="2 prompts x 4 tokens: a smoke test")
     parser.add_argument("--profile", action="store_true", help="also profile decode steps of our engine")
     parser.add_argument("--result-json", type=Path, help="write the report here as JSON")
