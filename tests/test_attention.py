@@ -20,7 +20,8 @@ SCENARIOS = {
 }
 
 
-def make_step(query_lens: list[int], context_lens: list[int], num_heads: int, block_size: int, seed: int = 0
+def make_step(query_lens: list[int], context_lens: list[int], num_heads: int, block_size: int, seed: int = 0,
+              head_dim: int = HEAD_DIM
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
                          list[tuple[torch.Tensor, torch.Tensor]]]:
     """A step whose request i runs ``query_lens[i]`` tokens after ``context_lens[i]`` cached ones.
@@ -43,14 +44,14 @@ def make_step(query_lens: list[int], context_lens: list[int], num_heads: int, bl
     for n in blocks_per_req:
         tables.append(ids[:n])
         ids = ids[n:]
-    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, generator=gen) * 100
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen) * 100
     num_tokens = sum(query_lens)
-    query = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=gen)
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    value = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
+    key = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen)
+    value = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen)
     full_kv, start = [], 0
     for table, context, n in zip(tables, context_lens, query_lens, strict=True):
-        context_kv = torch.randn(2, context, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+        context_kv = torch.randn(2, context, NUM_KV_HEADS, head_dim, generator=gen)
         for pos in range(context):
             kv_cache[:, table[pos // block_size], pos % block_size] = context_kv[:, pos]
         full_kv.append((torch.cat([context_kv[0], key[start:start + n]]).double(),
@@ -155,6 +156,35 @@ def test_padding_rows_past_the_actual_tokens_are_zero() -> None:
     expected = reference_attention(query, query_lens, full_kv, 0.5)
     torch.testing.assert_close(out[:len(query)].double(), expected, rtol=1e-5, atol=1e-5)
     assert not out[len(query):].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])  # the kernel's compile-time specialisations
+@pytest.mark.parametrize("num_decodes", [1, 5])  # fewer requests than threads: split by kv head
+def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dtype: torch.dtype) -> None:
+    from engine.model.cpu_attention import paged_decode_attention
+
+    context_lens = [5, 40, 16, 33, 70][:num_decodes]
+    query, key, value, kv_cache, metadata, full_kv = make_step([1] * num_decodes, context_lens, NUM_KV_HEADS * 3,
+                                                               16, head_dim=head_dim)
+    kv_cache.view(2, -1, NUM_KV_HEADS, head_dim)[:, metadata.slot_mapping] = torch.stack([key, value])
+    query, kv_cache = query.to(dtype), kv_cache.to(dtype)
+    full_kv = [(k.to(dtype).double(), v.to(dtype).double()) for k, v in full_kv]
+    out = paged_decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens + 0, head_dim ** -0.5)
+    expected = reference_attention(query, [1] * num_decodes, full_kv, head_dim ** -0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_cpu_decode_kernel_refuses_shapes_beyond_its_buffers() -> None:
+    """256 query heads of 32 channels fit the query buffer but not the per-head softmax state."""
+    from engine.model.cpu_attention import paged_decode_attention
+
+    query = torch.randn(1, 256, 32)
+    kv_cache = torch.zeros(2, 2, 16, 16, 32)
+    out = paged_decode_attention(query, kv_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                 torch.ones(1, dtype=torch.int32), 1.0)
+    assert out is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

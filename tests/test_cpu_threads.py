@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from engine.model.cpu_threads import all_threads, serial_elementwise
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """Two intra-op threads even on a one-core runner, so that "one" and "all" differ."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_serial_block_runs_on_one_thread_except_where_all_threads_are_asked_for() -> None:
@@ -39,3 +51,25 @@ def test_thread_count_is_restored_when_the_block_raises() -> None:
     assert torch.get_num_threads() == full
     with all_threads():  # the module is back outside any serial block
         assert torch.get_num_threads() == full
+
+
+def test_a_serial_block_in_one_thread_leaves_another_threads_blocks_alone() -> None:
+    seen = []
+
+    def other_engine() -> None:
+        torch.set_num_threads(2)
+        with serial_elementwise(True):
+            seen.append(torch.get_num_threads())
+
+    with serial_elementwise(True):
+        worker = threading.Thread(target=other_engine)
+        worker.start()
+        worker.join()
+    assert seen == [1]  # the other thread's block really went serial: the state is per thread
+
+
+def test_nested_all_threads_give_back_what_they_found() -> None:
+    with serial_elementwise(True), all_threads():
+        with all_threads():
+            pass
+        assert torch.get_num_threads() == 2

@@ -119,9 +119,9 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
 
 @cache
 def _warn_unsupported(group: int, head_dim: int, block_size: int) -> None:
-    logger.warning("the CPU decode kernel supports up to 16 query heads per KV head, head_dim <= 256 and "
-                   "block_size <= 128 (got %d, %d, %d): decodes use the slower torch path", group, head_dim,
-                   block_size)
+    logger.warning("the CPU decode kernel supports up to 16 query heads per KV head, 128 query heads, "
+                   "head_dim <= 256, query heads x head_dim <= 8192 and block_size <= 128 (got %d per KV head, "
+                   "head_dim %d, block_size %d): decodes use the slower torch path", group, head_dim, block_size)
 
 
 @register_backend("cpu")

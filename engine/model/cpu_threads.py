@@ -10,47 +10,52 @@ GEMMs and attention are long enough to repay the barrier.
 
 So while ``serial_elementwise(True)`` is active, torch runs on one thread and
 only the blocks marked ``all_threads()`` get the full count back. Measured on
-the 2-core test machine, serving 64 streams in bf16: 387-426 -> 480-485 output
+the 2-core test machine, serving 64 streams in bf16: 387-426 -> 455-485 output
 tok/s; the same workload offline, with nothing else running, is unchanged.
-Thread counts are process-wide, so this belongs to the one thread that runs
-forward passes (the engine thread).
+
+OpenMP thread counts belong to the calling thread, and so does this module's
+state. One caveat: ``torch.set_num_threads`` also sets the default a thread
+starts with, so a thread that first touches torch while the engine thread is
+inside ``serial_elementwise`` starts with one thread (the frontend's threads
+tokenize with the Rust tokenizers and run no torch ops).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
-#: Intra-op threads to restore inside ``all_threads()``; None outside ``serial_elementwise``.
-_full_threads: int | None = None
+_state = threading.local()  # .full_threads: the count to give back; absent or None outside serial blocks
 
 
 @contextlib.contextmanager
 def serial_elementwise(enabled: bool) -> Iterator[None]:
     """Run the block's torch ops on one thread, except inside ``all_threads()``; a no-op when not enabled."""
-    global _full_threads
-    if not enabled or _full_threads is not None:
+    if not enabled or getattr(_state, "full_threads", None) is not None:
         yield
         return
-    _full_threads = torch.get_num_threads()
+    _state.full_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(_full_threads)
-        _full_threads = None
+        torch.set_num_threads(_state.full_threads)
+        _state.full_threads = None
 
 
 @contextlib.contextmanager
 def all_threads() -> Iterator[None]:
     """Give the block every intra-op thread again (for GEMMs and attention) inside ``serial_elementwise``."""
-    if _full_threads is None:
+    full = getattr(_state, "full_threads", None)
+    if full is None:
         yield
         return
-    torch.set_num_threads(_full_threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(full)
     try:
         yield
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(previous)

@@ -51,12 +51,15 @@ class Linear(nn.Module):
         re-blocks it on every call; with few token rows that repacking, not
         the arithmetic, sets the speed. Measured on the 2-core test machine
         over SmolLM2-135M's GEMMs: 1.4-1.6x faster in bf16 at 1-16 rows and
-        1.25x at 64, 1.7-2.4x in fp32. The same oneDNN kernels serve
-        ``torch.compile``'s CPU backend (inductor's ``mkldnn_fusion`` pass).
+        1.25x at 64, 1.7-2.4x in fp32. ``torch.compile``'s CPU backend
+        packs bf16 weights the same way (inductor's ``mkldnn_fusion`` pass).
         In bf16 the results are bit-identical to ``F.linear``; in fp32 the
         summation order differs (relative error about 1e-6). Call after the
-        weights are loaded: the plain weight is dropped.
+        weights are loaded: the plain weight is dropped, for good (the module
+        no longer lists it in ``parameters()`` or ``state_dict()``).
         """
+        if self.packed_weight is not None:
+            return
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
 

@@ -2,7 +2,8 @@
  * Paged attention for one-token (decode) queries on the CPU, with the KV cache
  * in fp32 or bf16. Queries, outputs and all arithmetic are fp32.
  *
- * Each (request, kv head) pair is one task: its query heads (the GQA group)
+ * Each request is one task (or, when there are fewer requests than threads,
+ * each of its kv heads is): per kv head, its query heads (the GQA group)
  * stream once over the request's KV blocks, read in place through the block
  * table, with the online softmax of FlashAttention (Dao et al. 2022,
  * arXiv:2205.14135) so scores never leave a block-sized buffer. Compared with
@@ -23,6 +24,7 @@
  * Both entry points return 0, or -1 when the shapes exceed the fixed buffers.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -68,22 +70,30 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
                                                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                                         float scale, int bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE ||
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK_SIZE || num_heads > MAX_HEADS ||
         num_heads * head_dim > MAX_QUERY || group * num_kv_heads != num_heads)
         return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
+    /* A task reading whole blocks (all kv heads) reads contiguous memory; with fewer requests than
+       threads, splitting each request by kv head keeps every thread busy instead. */
+    const int64_t kv_heads_per_task = num_reqs >= omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t tasks_per_req = num_kv_heads / kv_heads_per_task;
 
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t r = 0; r < num_reqs; r++) {
-        /* Per query head: the scaled query, the output accumulator and the online-softmax state. */
+    for (int64_t task = 0; task < num_reqs * tasks_per_req; task++) {
+        const int64_t r = task / tasks_per_req;
+        const int64_t h_begin = task % tasks_per_req * kv_heads_per_task, h_end = h_begin + kv_heads_per_task;
+        /* Query heads [first, last) of the task, then per query head: the scaled query, the output
+           accumulator and the online-softmax state (indexed by query head over the whole request). */
+        const int64_t first = h_begin * group, last = h_end * group;
         float q[MAX_QUERY], acc[MAX_QUERY], running_max[MAX_HEADS], denom[MAX_HEADS];
         float scores[MAX_GROUP][MAX_BLOCK_SIZE];
         float block_max[MAX_GROUP];
         row_t row;
         const float *src = query + r * num_heads * head_dim;
-        for (int64_t i = 0; i < num_heads * head_dim; i++) q[i] = src[i] * scale;
-        memset(acc, 0, sizeof(float) * num_heads * head_dim);
-        for (int64_t i = 0; i < num_heads; i++) {
+        for (int64_t i = first * head_dim; i < last * head_dim; i++) q[i] = src[i] * scale;
+        memset(acc + first * head_dim, 0, sizeof(float) * (last - first) * head_dim);
+        for (int64_t i = first; i < last; i++) {
             running_max[i] = -1e30f; /* not -INFINITY: -ffast-math assumes finite values */
             denom[i] = 0.0f;
         }
@@ -95,8 +105,8 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
             /* The next block is elsewhere in memory, where no hardware prefetcher looks: each row read
                below asks for the same row of the next block, a block's work ahead of its use. */
             const int64_t next_block = start + block_size < seq_len ? blocks[start / block_size + 1] : -1;
-            /* All kv heads of the block in turn: the block is one contiguous run of memory. */
-            for (int64_t h = 0; h < num_kv_heads; h++) {
+            /* The task's kv heads of the block in turn: all of them are one contiguous run of memory. */
+            for (int64_t h = h_begin; h < h_end; h++) {
                 const int64_t base = block * block_size * token_stride + h * head_dim;
                 const int64_t next_base = next_block * block_size * token_stride + h * head_dim;
                 float *qh = q + h * group * head_dim, *acch = acc + h * group * head_dim;
@@ -142,7 +152,7 @@ static inline __attribute__((always_inline)) int attend(const float *query, cons
             }
         }
         float *dst = out + r * num_heads * head_dim;
-        for (int64_t i = 0; i < num_heads; i++) {
+        for (int64_t i = first; i < last; i++) {
             const float inv = 1.0f / denom[i];
             for (int64_t d = 0; d < head_dim; d++) dst[i * head_dim + d] = acc[i * head_dim + d] * inv;
         }
