@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.roofline import ModelShape
+from benchmarks.roofline import DTYPES, ModelShape
 
 SECTIONS = {
     "a": "Greedy equivalence vs transformers",
@@ -71,7 +71,6 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
 #: Largest reference logit gap (top-1 minus top-2) at which a divergence still counts as a near-tie.
 GAP_TOLERANCE = {"bfloat16": 0.1, "float32": 1e-3}
 TINY_MODELS = ("llama", "qwen2", "qwen3", "mistral")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Tokens 0, 1, 2 are <unk>, <s>, </s> in the check's tokenizer; prompts use the others.
 _FIRST_PLAIN_TOKEN = 3
 
@@ -158,7 +157,7 @@ def near_tie_tolerance(dtype: str, top_logit: float) -> float:
     """Largest top-1 minus top-2 gap that is still a near-tie: ``GAP_TOLERANCE[dtype]``, or one unit in
     the last place of ``dtype`` at the top logit's magnitude when that is larger (bf16 logits of about
     20 are 0.125 apart, so two implementations rounding differently can disagree by that much)."""
-    ulp = torch.finfo(_DTYPES[dtype]).eps * 2.0 ** math.floor(math.log2(max(abs(top_logit), 1e-30)))
+    ulp = torch.finfo(DTYPES[dtype]).eps * 2.0 ** math.floor(math.log2(max(abs(top_logit), 1e-30)))
     return max(GAP_TOLERANCE[dtype], ulp)
 
 
@@ -461,7 +460,7 @@ def _greedy_run(ctx: CheckContext, model_type: str, folder: Path, dtype_name: st
     engine_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     _free_memory()
-    reference = _reference_generate(folder, prompts, sizes.greedy_max_tokens, _DTYPES[dtype_name], ctx.device)
+    reference = _reference_generate(folder, prompts, sizes.greedy_max_tokens, DTYPES[dtype_name], ctx.device)
     comparisons = [{"prompt_len": len(p), **compare_greedy(e, r, logits)}
                    for p, e, (r, logits) in zip(prompts, engine_out, reference, strict=True)]
     verdict = greedy_verdict(comparisons, dtype_name)
@@ -571,7 +570,7 @@ def _kernel_case(case: str, context_lens: list[int], query_lens: list[int], dtyp
     """Errors and times of both backends on one step; bf16 errors are also measured against fp32."""
     from engine.model.attention import get_attention_backend
 
-    step = _kernel_step(sizes, context_lens, query_lens, _DTYPES[dtype_name], device)
+    step = _kernel_step(sizes, context_lens, query_lens, DTYPES[dtype_name], device)
     args = (step.query, step.key, step.value, step.kv_cache, step.metadata, sizes.kernel_heads[2] ** -0.5)
     triton_backend, torch_backend = get_attention_backend("triton"), get_attention_backend("torch")
     out_triton = triton_backend.forward(*args).float()

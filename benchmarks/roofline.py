@@ -98,8 +98,7 @@ def measure_matmul_flops(shape: ModelShape = SMOLLM2_135M, token_rows: tuple[int
     torch.set_num_threads(num_threads())
     linears = [_linear(k, n, dtype) for _ in range(shape.num_layers) for k, n in shape.layer_gemms()]
     linears.append(_linear(shape.hidden_size, shape.vocab_size, dtype))
-    flops_per_row = sum(2 * k * n for _ in range(shape.num_layers) for k, n in shape.layer_gemms())
-    flops_per_row += 2 * shape.hidden_size * shape.vocab_size
+    flops_per_row = sum(2 * linear.in_features * linear.out_features for linear in linears)
     inputs = {k: {m: torch.randn(m, k, dtype=dtype) for m in token_rows} for k in {lin.in_features for lin in linears}}
 
     def forward(m: int) -> None:

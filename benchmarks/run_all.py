@@ -36,6 +36,7 @@ import torch
 from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
 from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
 from benchmarks.roofline import (
+    DTYPES,
     cpu_model,
     decode_bandwidth_bound_s,
     format_roofline,
@@ -48,7 +49,6 @@ from benchmarks.serve import ServeOptions, benchmark, fetch_first_model, result_
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 LLAMA_CPP_PYTHON_CTX = 2048  # tokens; the longest scenario needs 512 + 256
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 CTX_SLACK = 64  # tokens per llama-server slot beyond prompt + output, for BOS/template
 # The warm-up prompt has its own seed so that it primes no prefix cache for the measured prompts.
 WARMUP_SEED = 2**32 - 1
@@ -223,7 +223,7 @@ def add_derived_metrics(run: dict[str, Any], spec: ServerSpec, weights: WeightSt
         run["total_prompt_tokens"], run["total_output_tokens"], weights.non_embedding_params,
         weights.all_params, run["duration_s"], roofline["peak_matmul_flops"][spec.compute_dtype])
     run["mfu_dtype"] = spec.compute_dtype
-    weight_bytes = (weights.all_params * DTYPE_BYTES[spec.weight_dtype] if spec.weight_dtype
+    weight_bytes = (weights.all_params * DTYPES[spec.weight_dtype].itemsize if spec.weight_dtype
                     else weights.weight_bytes)
     run["decode_weight_bytes"] = weight_bytes
     if run["max_concurrency"] == 1:
@@ -253,8 +253,8 @@ def markdown_report(report: dict[str, Any]) -> str:
     flops = "; ".join(f"{name} " + " / ".join(f"{f / 1e9:.1f}" for f in by_rows.values())
                       + f" (peak {roof['peak_matmul_flops'][name] / 1e9:.1f})"
                       for name, by_rows in roof["matmul_flops"].items())
-    bounds = ", ".join(f"{1000 * decode_bandwidth_bound_s(n * weights['all_params'], bw):.1f} ms/token with "
-                       f"{name} weights" for name, n in DTYPE_BYTES.items())
+    bounds = ", ".join(f"{1000 * decode_bandwidth_bound_s(dtype.itemsize * weights['all_params'], bw):.1f} "
+                       f"ms/token with {name} weights" for name, dtype in DTYPES.items())
     lines = [
         f"# Serving benchmark, {report['date']}", "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "

@@ -49,12 +49,11 @@ from typing import Any
 import torch
 
 from benchmarks.dataset import Tokenizer, parse_len_range, sample_requests
-from benchmarks.roofline import cpu_model, num_threads
+from benchmarks.roofline import DTYPES, cpu_model, num_threads
 
 #: Goals of issue 3: ours / baseline at least this much.
 GOALS = {"batched": 1.0, "sequential": 5.0, "single_decode": 0.9}
 MAX_NUM_SEQS = 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Prompts and new tokens of the warm-up call each phase makes before timing.
 WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
