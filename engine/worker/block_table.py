@@ -6,6 +6,23 @@ import numpy as np
 import torch
 
 
+def slot_mapping(block_table: np.ndarray, block_size: int, req_indices: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray:
+    """Cache slot of each token: ``block_table[req, pos // block_size] * block_size + pos % block_size``.
+
+    Args:
+        block_table: ``[num_reqs, max_blocks]`` int block ids.
+        block_size: tokens per block.
+        req_indices: ``[T]`` batch row of each token.
+        positions: ``[T]`` position of each token in its sequence.
+
+    Returns:
+        ``[T]`` int64 slots.
+    """
+    block_numbers = block_table[req_indices, positions // block_size].astype(np.int64)
+    return block_numbers * block_size + positions % block_size
+
+
 class BlockTable:
     """``[max_num_reqs, max_num_blocks_per_req]`` int32 block ids, one row per batch row.
 
@@ -39,17 +56,8 @@ class BlockTable:
         self.num_blocks_per_row[dst] = n
 
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache slot of each token: ``block_table[req, pos // block_size] * block_size + pos % block_size``.
-
-        Args:
-            req_indices: ``[T]`` batch row of each token.
-            positions: ``[T]`` position of each token in its sequence.
-
-        Returns:
-            ``[T]`` int64 slots.
-        """
-        block_numbers = self.block_table_np[req_indices, positions // self.block_size].astype(np.int64)
-        return block_numbers * self.block_size + positions % self.block_size
+        """``slot_mapping`` over this table's host rows."""
+        return slot_mapping(self.block_table_np, self.block_size, req_indices, positions)
 
     def commit(self, num_reqs: int) -> torch.Tensor:
         """The first ``num_reqs`` rows on the device: ``[num_reqs, max_num_blocks_per_req]`` int32."""

@@ -14,6 +14,7 @@ from engine.core.scheduler_output import SchedulerOutput
 from engine.model.attention import AttentionMetadata
 from engine.model.cpu_threads import serial_elementwise
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from engine.worker.block_table import slot_mapping
 from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sampler import Sampler, compute_logprobs_tensors
@@ -148,7 +149,7 @@ class ModelRunner:
         positions = num_computed[req_indices] + query_pos
         token_indices = torch.from_numpy(req_indices * self.max_model_len + positions)
         input_ids = torch.index_select(batch.token_ids_cpu_tensor.flatten(), 0, token_indices)
-        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions)
+        slots = batch.block_table.compute_slot_mapping(req_indices, positions)
 
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -164,7 +165,7 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc),
             seq_lens=to_device(seq_lens),
             block_table=batch.block_table.commit(num_reqs),
-            slot_mapping=to_device(slot_mapping),
+            slot_mapping=to_device(slots),
             max_query_len=int(num_scheduled.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc,
@@ -287,13 +288,12 @@ def profile_forward(model: torch.nn.Module, num_tokens: int, num_seqs: int, max_
     cu = np.cumsum(query_lens_np)
     positions = np.arange(num_tokens) - np.repeat(cu - query_lens_np, query_lens_np)
     block_table = 1 + np.arange(len(query_lens) * blocks_per_seq, dtype=np.int32).reshape(len(query_lens), -1)
-    slot_mapping = block_table[req_indices, positions // block_size].astype(np.int64) * block_size + \
-        positions % block_size
+    slots = slot_mapping(block_table, block_size, req_indices, positions)
     query_start_loc = np.concatenate([[0], cu]).astype(np.int32)
     metadata = AttentionMetadata(
         num_actual_tokens=num_tokens, query_start_loc=torch.from_numpy(query_start_loc).to(device),
         seq_lens=torch.from_numpy(query_lens_np.astype(np.int32)).to(device),
-        block_table=torch.from_numpy(block_table).to(device), slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        block_table=torch.from_numpy(block_table).to(device), slot_mapping=torch.from_numpy(slots).to(device),
         max_query_len=max(query_lens), max_seq_len=max(query_lens), query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=query_lens_np.astype(np.int32))
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
