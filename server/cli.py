@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import logging.config
 import os
+import socket
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -25,12 +29,14 @@ import yaml
 from sse_starlette.sse import AppStatus
 
 from benchmarks import serve as bench_serve
+from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from server.app import ServerArgs, build_app
 from server.config_table import SETTINGS_CLASSES, shown_default
 from server.logging_config import log_config
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+logger = logging.getLogger(__name__)
 
 
 def _members(hint: Any) -> tuple[Any, ...]:
@@ -138,25 +144,75 @@ def resolve_settings(args: argparse.Namespace,
             ServerArgs(**{k: v for k, v in settings.items() if k not in engine_names}))
 
 
-def serve(engine_args: EngineArgs, server_args: ServerArgs) -> None:
-    """Serve until SIGINT/SIGTERM, then finish in-flight requests (up to
-    ``shutdown_timeout_s``), abort the rest and stop the engine."""
+class StartupError(Exception):
+    """Why the server cannot start, in one line for the operator (exit code 2)."""
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it once the model is loaded), so that a port
+    in use is found before the model loads and nothing answers until the server is ready.
+
+    Raises:
+        StartupError: the address cannot be bound (in use, not local, no permission).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        sock.bind(address)
+    except OSError as err:
+        raise StartupError(f"cannot listen on {host}:{port}: {err.strerror or err}") from err
+    return sock
+
+
+def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, then let in-flight requests finish (up to
+    ``shutdown_timeout``), abort the rest and stop the engine.
+
+    Returns:
+        The process's exit code: 0 after a stop, 1 when the engine died (the server stops at once,
+        so that Docker's restart policy or Kubernetes restarts it).
+
+    Raises:
+        StartupError: the port cannot be bound or the engine cannot start (bad model, no CUDA, a KV
+            cache too small), before anything listens.
+    """
+    sock = _bind(server_args.host, server_args.port)
+    try:
+        engine_core = AsyncLLM.load_core(engine_args)
+    except (ValueError, OSError) as err:
+        sock.close()
+        raise StartupError(str(err)) from err
+    died: list[BaseException] = []
+
+    def stop_on_engine_death(error: BaseException) -> None:
+        died.append(error)
+        server.should_exit = True
+
     # sse-starlette ends every stream as soon as uvicorn is told to exit; let them
     # finish instead, within uvicorn's graceful-shutdown timeout.
     AppStatus.disable_automatic_graceful_drain()
-    # uvicorn applies the logging config before the app starts, so model loading logs in that format too.
-    uvicorn.run(build_app(engine_args, server_args), host=server_args.host, port=server_args.port,
-                timeout_graceful_shutdown=server_args.shutdown_timeout_s,
-                log_config=log_config(server_args.log_format), access_log=server_args.access_log)
+    app = build_app(server_args=server_args, engine_core=engine_core, on_engine_death=stop_on_engine_death)
+    # uvicorn applies the logging config at start-up; the CLI applied the same one before loading the model.
+    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=server_args.shutdown_timeout,
+                                           log_config=log_config(server_args.log_format),
+                                           access_log=server_args.access_log))
+    server.run(sockets=[sock])
+    if died:
+        logger.error("exiting with status 1 because the engine died")
+        return 1
+    return 0
 
 
-def _run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run_serve(args: argparse.Namespace) -> int:
     try:
         engine_args, server_args = resolve_settings(args)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
-    serve(engine_args, server_args)
-    return 0
+        logging.config.dictConfig(log_config(server_args.log_format))
+        return serve(engine_args, server_args)
+    except (ValueError, OSError, StartupError) as exc:
+        print(f"pagedserve serve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--config", metavar="FILE.yaml", default=None,
                               help="YAML file of settings, keyed by the flag names with underscores")
     _add_settings_flags(serve_parser)
-    serve_parser.set_defaults(run=lambda args: _run_serve(serve_parser, args))
+    serve_parser.set_defaults(run=_run_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     bench_parser = bench.add_parser("serve", help="load-test a running server (benchmarks/serve.py)",

@@ -33,6 +33,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class UvicornNames(logging.Filter):
+    """Name uvicorn's general records ``uvicorn``: it logs them (start-up, shutdown, "Uvicorn running
+    on ...") through a logger called ``uvicorn.error``, which reads as an error to people and log
+    collectors alike."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def log_config(log_format: str, level: str = "INFO") -> dict[str, Any]:
     """A ``dictConfig`` mapping: every logger, uvicorn's included, writes to stderr in ``log_format``.
 
@@ -48,7 +59,8 @@ def log_config(log_format: str, level: str = "INFO") -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,  # engine.* and server.* loggers exist before this runs
         "formatters": {"default": formatter},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "default",
+        "filters": {"uvicorn_names": {"()": UvicornNames}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "default", "filters": ["uvicorn_names"],
                                 "stream": "ext://sys.stderr"}},
         "root": {"handlers": ["stderr"], "level": level},
         "loggers": {name: dict(uvicorn_logger) for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},

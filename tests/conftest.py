@@ -19,12 +19,17 @@ if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -160,3 +165,45 @@ def sse_payloads(lines: Iterable[str]) -> list[Any]:
             data = line.removeprefix("data: ")
             payloads.append(data if data == "[DONE]" else json.loads(data))
     return payloads
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@contextlib.contextmanager
+def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequence[str] = (sys.executable,),
+               cwd: Path | None = None, env: Mapping[str, str] | None = None
+               ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``python -m server serve --port P ARGS`` (or ``python -c CODE serve ...``) as its own process,
+    logging to ``tmp_path/server.log``; yields ``(url, process)`` once healthy and kills it at exit.
+
+    Args:
+        python: the interpreter and its options (e.g. ``-P``).
+        cwd, env: the process's folder and extra environment variables.
+    """
+    port = free_port()
+    log = (tmp_path / "server.log").open("w")
+    program = ["-c", code] if code else ["-m", "server"]
+    process = subprocess.Popen([*python, *program, "serve", "--port", str(port), *args], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=cwd,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while not healthy(url):
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        yield url, process
+    finally:
+        process.kill()
+        log.close()

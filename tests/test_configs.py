@@ -68,7 +68,7 @@ def test_every_key_is_documented_with_its_unit_and_default(path: Path) -> None:
 def test_default_yaml_is_cpu_and_cuda_yaml_is_bf16_on_a_gpu_fraction() -> None:
     cpu, _ = parse_serve("--config", str(DEFAULT_YAML))
     assert (cpu.device, cpu.dtype, cpu.model) == ("cpu", "float32", None)  # the embedded SmolLM2
-    assert cpu.kv_cache_memory_bytes == 2 * 2**30
+    assert cpu.kv_cache_memory_bytes is None  # 2 GiB, or less where the memory (cgroup) is smaller
     gpu, _ = parse_serve("--config", str(CUDA_YAML))
     assert (gpu.device, gpu.dtype, gpu.kv_cache_memory_bytes) == ("cuda", "bfloat16", None)
     assert gpu.gpu_memory_utilization == 0.9

@@ -105,3 +105,20 @@ def test_llm_generate_rejects_a_bad_prompt_without_queueing_the_others(tiny_fold
     assert not llm.engine_core.has_unfinished_requests()
     assert not llm.output_processor.has_unfinished_requests()
     assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def test_kv_cache_too_small_for_one_max_model_len_request_is_a_start_up_error(tiny_folder):
+    """The tiny model keeps 2 x 2 layers x 2 KV heads x 16 x 4 bytes = 512 bytes per token: 64 KiB hold 128."""
+    EngineCore(EngineArgs(model=tiny_folder, max_model_len=112, kv_cache_memory_bytes="64KiB"))
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len 256 tokens.*at most 112"):
+        EngineCore(EngineArgs(model=tiny_folder, max_model_len=256, kv_cache_memory_bytes="64KiB"))
+
+
+def test_default_cpu_kv_cache_follows_available_memory(tiny_folder, monkeypatch):
+    from engine.worker import kv_cache
+
+    assert kv_cache.default_cpu_kv_cache_bytes(available=64 * 2**30) == 2 * 2**30
+    assert kv_cache.default_cpu_kv_cache_bytes(available=2**30) == 2**29
+    monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: 2**20)  # a container at its limit
+    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=128))
+    assert (core.scheduler.kv_cache_manager.block_pool.num_blocks - 1) * 16 * 512 <= 2**19

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import socket
-import subprocess
 import sys
 import time
 from importlib.metadata import version
@@ -26,8 +23,8 @@ from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.outputs import EngineCoreOutput, FinishReason
 from server.app import ServerArgs, build_app
 from server.logging_config import JsonFormatter, log_config
-from tests.conftest import Served, sse_payloads
-from tests.test_server import _healthy, wait_until_idle
+from tests.conftest import Served, cli_server, sse_payloads
+from tests.test_server import wait_until_idle
 
 MODEL_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
@@ -243,12 +240,6 @@ def test_json_log_lines_carry_time_level_logger_message_and_traceback() -> None:
         ServerArgs(log_stats_interval_s=-1)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _stats_lines(log: Path) -> list[dict[str, Any]]:
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     return [line for line in lines if line["logger"] == "engine.metrics.loggers"]
@@ -256,21 +247,12 @@ def _stats_lines(log: Path) -> list[dict[str, Any]]:
 
 def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_path: Path) -> None:
     """``python -m server serve --log-format json --access-log``: every line is JSON, uvicorn's included."""
-    port, interval_s = _free_port(), 0.5
+    interval_s = 0.5
     log = tmp_path / "server.log"
-    command = [sys.executable, "-m", "server", "serve", "--port", str(port), "--max-model-len", "256",
-               "--kv-cache-memory-bytes", "32MiB", "--log-format", "json", "--access-log",
-               "--log-stats-interval-s", str(interval_s)]
+    args = ["--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", "--log-format", "json", "--access-log",
+            "--log-stats-interval-s", str(interval_s)]
     # TQDM_DISABLE: the weight loader's progress bar is no log line (the image sets it too).
-    with log.open("w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _healthy(url):
-            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+    with cli_server(tmp_path, *args, env={"TQDM_DISABLE": "1"}) as (url, process):
         time.sleep(2 * interval_s)
         assert _stats_lines(log) == [], "a stats line before any request"
         body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
@@ -285,7 +267,8 @@ def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_pat
         assert _stats_lines(log) == busy_lines, "stats lines while idle"
         access = [json.loads(line) for line in log.read_text().splitlines() if "POST /v1/completions" in line]
         assert [line["logger"] for line in access] == ["uvicorn.access"]
-    finally:
+        uvicorn_lines = [json.loads(line) for line in log.read_text().splitlines() if "Uvicorn running" in line]
+        assert [line["logger"] for line in uvicorn_lines] == ["uvicorn"]  # not "uvicorn.error"
         process.terminate()
         process.wait(timeout=120)
 

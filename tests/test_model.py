@@ -7,7 +7,9 @@ with ``save_pretrained`` and read back through ``load_model``.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -223,3 +225,19 @@ def test_gguf_cache_folder_holds_the_same_model(smollm2, tmp_path, monkeypatch):
     tokenizers = load_tokenizer(cached), load_tokenizer(gguf)
     assert len({tuple(chat_prompt_token_ids(t, messages)) for t in tokenizers}) == 1
     assert config.max_position_embeddings == load_hf_config(gguf).max_position_embeddings
+
+
+def test_gguf_cache_is_keyed_by_content_not_by_file_times(tmp_path, monkeypatch):
+    """A copy of the GGUF with other timestamps (a pulled image layer, another venv) finds the same
+    conversion."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = resolve_model_path(None)
+    first = gguf_cache_folder(gguf)
+    copy = tmp_path / "elsewhere" / gguf.gguf_file
+    copy.parent.mkdir()
+    shutil.copyfile(os.path.join(gguf.path, gguf.gguf_file), copy)
+    os.utime(copy, ns=(10**18, 10**18))
+    converted = os.path.join(first.path, "model.safetensors")
+    before = os.stat(converted).st_mtime_ns
+    assert gguf_cache_folder(resolve_model_path(str(copy))).path == first.path
+    assert os.stat(converted).st_mtime_ns == before  # not converted again

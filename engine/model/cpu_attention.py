@@ -18,6 +18,7 @@ the torch path (and says so once in the log).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -54,33 +55,84 @@ def _cpu_signature() -> str:
 
 @cache
 def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, building it on first use; None when it cannot be built."""
-    source = _SOURCE.read_bytes()
+    """The compiled kernel library, building it on first use; None when it cannot be had.
+
+    The library is cached under ``$PAGEDSERVE_CACHE_DIR/kernels``, keyed by the
+    source, the flags and the CPU's feature flags (``-march=native`` makes it
+    CPU-specific). When that folder cannot be written (a read-only container,
+    another user's cache) the kernel is built in a private temporary folder for
+    this process instead; when there is no compiler, the build fails or the
+    library does not load, decodes use the torch path. Each case logs one
+    warning: a kernel problem never stops the engine.
+    """
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as err:
+        logger.warning("the CPU decode kernel's source is missing (%s): CPU decode attention falls back to torch "
+                       "(slower)", err)
+        return None
     key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     library = Path(cache_dir()) / "kernels" / f"paged_decode_attention-{key}.so"
     if not library.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("no C compiler found: CPU decode attention falls back to torch (slower)")
+        try:
+            folder = _writable_folder(library.parent)
+        except OSError as err:
+            logger.warning("no writable folder for the CPU decode kernel (%s): CPU decode attention falls back "
+                           "to torch (slower)", err)
             return None
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name
-            # -lm last: it brings libmvec, which holds the vectorized expf.
-            result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(_SOURCE), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                logger.warning("compiling %s failed, CPU decode attention falls back to torch:\n%s", _SOURCE,
-                               result.stderr[-2000:])
-                return None
-            os.replace(built, library)
-    lib = ctypes.CDLL(str(library))
+        library = _build(folder / library.name)
+        if library is None:
+            return None
+    try:
+        lib = ctypes.CDLL(str(library))
+    except OSError as err:
+        logger.warning("loading %s failed (%s): CPU decode attention falls back to torch (slower)", library, err)
+        return None
     for entry in _ENTRY_POINTS.values():
         function = getattr(lib, entry)
         function.restype = ctypes.c_int
         function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
                              + [ctypes.c_int64] * 5 + [ctypes.c_float])
     return lib
+
+
+def _writable_folder(folder: Path) -> Path:
+    """``folder`` when it can be written, else a new private temporary folder (a read-only
+    container, another user's cache).
+
+    Raises:
+        OSError: when no temporary folder can be made either.
+    """
+    with contextlib.suppress(OSError):
+        folder.mkdir(parents=True, exist_ok=True)
+    if os.access(folder, os.W_OK | os.X_OK):
+        return folder
+    temporary = Path(tempfile.mkdtemp(prefix="pagedserve-kernels-"))
+    logger.info("the kernel cache %s is not writable: building the CPU decode kernel in %s", folder, temporary)
+    return temporary
+
+
+def _build(library: Path) -> Path | None:
+    """Compile the kernel into ``library`` (atomically: a temporary file, then a rename).
+
+    Returns:
+        ``library``, or None (with a warning) when there is no compiler or the build fails.
+    """
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention falls back to torch (slower)")
+        return None
+    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+        built = Path(tmp) / library.name
+        # -lm last: it brings libmvec, which holds the vectorized expf.
+        result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            logger.warning("compiling %s failed, CPU decode attention falls back to torch (slower):\n%s", _SOURCE,
+                           result.stderr[-2000:])
+            return None
+        os.replace(built, library)
+    return library
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

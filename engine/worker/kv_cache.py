@@ -6,10 +6,33 @@ import logging
 
 import torch
 
+from engine.worker.host_resources import available_memory_bytes
+
 logger = logging.getLogger(__name__)
 
-#: KV cache size on CPU when ``kv_cache_memory_bytes`` is not given.
+#: KV cache size on CPU when ``kv_cache_memory_bytes`` is not given and memory allows.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 2**30
+#: Share of the memory still available (after the weights) the CPU KV cache may take by default; the
+#: rest is for activations, the tokenizer, HTTP buffers and the allocator's slack.
+CPU_KV_CACHE_MEMORY_FRACTION = 0.5
+
+
+def default_cpu_kv_cache_bytes(available: int | None = None) -> int:
+    """The CPU KV cache size when none is configured: ``DEFAULT_CPU_KV_CACHE_BYTES``, or
+    ``CPU_KV_CACHE_MEMORY_FRACTION`` of ``available`` bytes when that is less.
+
+    Args:
+        available: bytes the process can still allocate; None = measured now (the host's
+            available memory, capped by the cgroup limit: see ``host_resources``).
+    """
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(available * CPU_KV_CACHE_MEMORY_FRACTION))
+    if budget < DEFAULT_CPU_KV_CACHE_BYTES:
+        logger.info("%.2f GiB of memory available (cgroup limit included): KV cache sized to %.2f GiB",
+                    available / 2**30, budget / 2**30)
+    return budget
 
 
 def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

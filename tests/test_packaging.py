@@ -1,0 +1,52 @@
+"""A non-editable install carries everything the runtime needs: build the wheel, install it outside the
+source tree, and serve from it with ``python -P`` in another folder (so that nothing is imported from
+the checkout)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.config import cache_dir
+from tests.conftest import cli_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's wheel, installed (without its dependencies, which the venv has) into a folder."""
+    dist, target = tmp_path_factory.mktemp("dist"), tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist,
+                    ROOT], check=True, timeout=300, cwd=dist)
+    wheel = next(dist.glob("pagedserve-*.whl"))
+    assert "engine/model/csrc/paged_decode_attention.c" in zipfile.ZipFile(wheel).namelist()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", target,
+                    wheel], check=True, timeout=300)
+    return target
+
+
+def test_the_installed_wheel_serves_a_completion(installed: Path, tmp_path: Path) -> None:
+    # A fresh cache, so that the kernel is compiled from the installed source; the GGUF conversion is reused.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    gguf = Path(cache_dir()) / "gguf"
+    if gguf.is_dir():
+        (cache / "gguf").symlink_to(gguf)
+    env = {"PYTHONPATH": str(installed), "PAGEDSERVE_CACHE_DIR": str(cache)}
+    python = (sys.executable, "-P")
+    where = subprocess.run([*python, "-c", "import engine, server; print(engine.__file__, server.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert all(Path(p).is_relative_to(installed) for p in where.stdout.split())
+    with cli_server(tmp_path, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", python=python,
+                    cwd=tmp_path, env=env) as (url, _):
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert list((cache / "kernels").glob("paged_decode_attention-*.so"))  # decodes ran in the C kernel
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
