@@ -2,6 +2,8 @@
 
 It streams every request (SSE) with ``stream_options.include_usage``, times the
 chunks as they arrive, and reports throughput and TTFT/TPOT/ITL/E2E latency.
+With ``--api-key`` (default: ``$OPENAI_API_KEY``) every request carries
+``Authorization: Bearer <key>``, as the openai SDK sends it.
 
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 \
         --num-prompts 64 --max-concurrency 16 --input-len 64:512 --output-len 128 --ignore-eos
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,6 +46,16 @@ class ServeOptions:
     request_timeout_s: float = 3600.0
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     show_progress: bool = True
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; None = no header
+
+
+class ServerRefused(RuntimeError):
+    """The server is unreachable or refused the benchmark's first request; the message is one line."""
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of ``api_key``, as the openai SDK sends it; none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def api_root(base_url: str) -> str:
@@ -125,20 +138,35 @@ async def send_request(client: httpx.AsyncClient, url: str, request: SyntheticRe
     return result_from_timestamps(start, arrivals, end, prompt_tokens, output_tokens)
 
 
-async def fetch_first_model(base_url: str) -> str:
+async def fetch_first_model(base_url: str, api_key: str | None = None) -> str:
     """Id of the first model ``GET /v1/models`` lists.
 
     Raises:
-        httpx.HTTPError: when the server does not answer 200.
-        LookupError: when it lists no model.
+        ServerRefused: when the server cannot be reached, answers other than 200 (401 without
+            the right API key) or lists no model.
     """
-    async with httpx.AsyncClient(timeout=30.0) as client:
-        response = await client.get(api_root(base_url) + "/v1/models")
-        response.raise_for_status()
-        models = response.json().get("data") or []
+    url = api_root(base_url) + "/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=30.0, headers=auth_headers(api_key)) as client:
+            response = await client.get(url)
+    except httpx.HTTPError as exc:
+        raise ServerRefused(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        hint = " (pass --api-key or set OPENAI_API_KEY)" if response.status_code == 401 else ""
+        raise ServerRefused(f"GET {url} answered HTTP {response.status_code}{hint}: {_error_message(response)}")
+    models = response.json().get("data") or []
     if not models:
-        raise LookupError(f"{base_url}/v1/models lists no model")
+        raise ServerRefused(f"{url} lists no model")
     return models[0]["id"]
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI error body, else the body's start, on one line."""
+    try:
+        message = str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    return " ".join(message.split())
 
 
 async def benchmark(requests: list[SyntheticRequest], options: ServeOptions,
@@ -160,7 +188,7 @@ async def benchmark(requests: list[SyntheticRequest], options: ServeOptions,
     timeout = httpx.Timeout(options.request_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(options.api_key)) as client:
         async def run_one(request: SyntheticRequest) -> RequestResult:
             async with semaphore:
                 result = await send_request(client, url, request, options, tokenizer)
@@ -205,6 +233,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--result-json", type=Path, default=None, help="write metrics here")
     parser.add_argument("--label", default="", help="free text stored in the result JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as 'Authorization: Bearer <key>' (default: $OPENAI_API_KEY)")
     return parser
 
 
@@ -226,24 +256,31 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark with options parsed by a parser that ``add_cli_args`` filled.
 
     Returns:
-        0 when at least one request completed, 1 otherwise.
+        0 when at least one request completed, 1 otherwise (a server that cannot be reached
+        or refuses the key is one line on stderr, not a traceback).
     """
     from benchmarks.model_files import load_tokenizer
 
+    # The server first: a wrong key or URL shows in a second, before the tokenizer loads.
+    try:
+        model = args.model or asyncio.run(fetch_first_model(args.base_url, args.api_key))
+    except ServerRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     tokenizer = load_tokenizer(args.tokenizer)
     requests = sample_requests(tokenizer, args.num_prompts, args.input_len, args.output_len, args.seed)
-    model = args.model or asyncio.run(fetch_first_model(args.base_url))
     options = ServeOptions(
         base_url=args.base_url, model=model, endpoint=args.endpoint,
         max_concurrency=args.max_concurrency, request_rate=args.request_rate,
         ignore_eos=args.ignore_eos, seed=args.seed, request_timeout_s=args.request_timeout,
-        extra_body=args.extra_body, show_progress=not args.no_progress)
+        extra_body=args.extra_body, show_progress=not args.no_progress, api_key=args.api_key)
     metrics, results = asyncio.run(benchmark(requests, options, tokenizer))
     print(format_report(metrics))
     for error in sorted({r.error for r in results if r.error})[:5]:
         print(f"error: {error}", file=sys.stderr)
     if args.result_json:
-        config = asdict(options) | {
+        # The key stays out of the file: result files are shared.
+        config = {k: v for k, v in asdict(options).items() if k != "api_key"} | {
             "request_rate": args.request_rate if np.isfinite(args.request_rate) else "inf",
             "label": args.label, "num_prompts": args.num_prompts,
             "input_len": list(args.input_len), "output_len": list(args.output_len)}

@@ -75,9 +75,14 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "Fraction of GPU memory the engine may use (weights, activations, KV cache)", "fraction")
     kv_cache_memory_bytes: int | str | None = _arg(
-        None, "KV cache size (e.g. 2GiB); empty = 2GiB on CPU, from gpu_memory_utilization on CUDA", "bytes")
+        None, "KV cache size (e.g. 2GiB); empty = on CPU 2GiB or half the memory left after loading the weights "
+        "(cgroup limit included) when that is less, on CUDA from gpu_memory_utilization", "bytes")
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
     max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
+    generation_config: str = _arg(
+        "auto", "Defaults for the sampling fields a request leaves unset: auto = the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+        "max_tokens), vllm or none = the engine's own, or a folder holding a generation_config.json")
     max_waiting_requests: int = _arg(
         1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
 

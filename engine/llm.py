@@ -38,6 +38,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation-config defaults (``generation_config``), as
+        vLLM's ``LLM``: what ``generate`` and ``chat`` use when given no parameters."""
+        return SamplingParams(**self.engine_core.default_sampling_params)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -45,7 +50,7 @@ class LLM:
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
-            sampling_params: one for all prompts or one per prompt; default ``SamplingParams()``.
+            sampling_params: one for all prompts or one per prompt; default ``get_default_sampling_params()``.
             use_tqdm: show a progress bar.
 
         Returns:
@@ -56,7 +61,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import AsyncIterator, Coroutine
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
@@ -33,10 +34,14 @@ from server.errors import (
     bad_request,
     check_model,
     check_token_ids,
+    model_not_found,
 )
 from server.logging_config import LOG_FORMATS
 from server.metrics import engine_stats
 from server.metrics import router as metrics_router
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore  # made by AsyncLLM.load_core; the server never builds one
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,7 +51,10 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    check_fields,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
@@ -70,7 +78,7 @@ class ServerArgs:
         [], "Origins allowed to call the API from a browser (CORS), '*' for any; empty = CORS off")
     max_request_body_bytes: int | str = _arg("16MiB", "Largest request body accepted (HTTP 413 above)",
                                              "bytes")
-    shutdown_timeout_s: float = _arg(
+    shutdown_timeout: float = _arg(
         30.0, "On SIGINT/SIGTERM, how long in-flight requests may run before they are aborted", "seconds")
     log_format: str = _arg("text", "Log lines as readable text or as JSON objects (ours and uvicorn's)",
                            choices=LOG_FORMATS)
@@ -85,8 +93,8 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
-        if self.shutdown_timeout_s < 0:
-            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_stats_interval_s < 0:
@@ -170,6 +178,15 @@ async def models(engine: Engine) -> ModelList:
     return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
 
 
+# ``:path``: a hub id has a slash (``org/name``), which the openai SDK sends as %2F.
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, engine: Engine) -> ModelCard:
+    """OpenAI's retrieve-model: the served model's card; 404 ``model_not_found`` for any other id."""
+    if model_id != engine.model_name:
+        raise model_not_found(model_id, engine.model_name)
+    return ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 once the engine has started (model loaded, KV cache allocated, thread running) and
@@ -190,6 +207,7 @@ async def version() -> dict[str, str]:
 async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     """Token ids of a prompt, or of chat messages rendered with the chat template."""
     check_model(body.model, engine.model_name)
+    check_fields(body)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.")
     if body.messages is not None:
@@ -202,12 +220,14 @@ async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeResponse:
     check_model(body.model, engine.model_name)
+    check_fields(body)
     check_token_ids(body.tokens, len(engine.tokenizer), "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
 
 def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | None = None,
-              engine: AsyncLLM | None = None) -> FastAPI:
+              engine: AsyncLLM | None = None, engine_core: EngineCore | None = None,
+              on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The OpenAI-compatible app.
 
     Args:
@@ -217,25 +237,44 @@ def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | N
             log interval; None = ``ServerArgs()`` defaults.
         engine: an engine that is already running, served as is and left
             running at exit (its owner shuts it down).
+        engine_core: a loaded ``EngineCore`` to run at startup instead of
+            creating one from ``engine_args`` (the CLI loads it before the
+            server listens, so that start-up errors stop it at once).
+        on_engine_death: called with the error, on the event loop, when the
+            engine thread dies (the CLI stops the server, and the process exits
+            non-zero so that an orchestrator restarts it).
 
     Raises:
-        ValueError: when both ``engine_args`` and ``engine`` are given.
+        ValueError: when more than one of ``engine_args``, ``engine`` and ``engine_core`` is given.
     """
-    if engine_args is not None and engine is not None:
-        raise ValueError("give engine_args or an engine, not both")
+    if sum(given is not None for given in (engine_args, engine, engine_core)) > 1:
+        raise ValueError("give one of engine_args, engine and engine_core")
     server_args = server_args or ServerArgs()
+
+    async def create_engine() -> AsyncLLM:
+        if engine_core is not None:
+            return AsyncLLM(engine_core, asyncio.get_running_loop())
+        return engine or await AsyncLLM.create(engine_args or EngineArgs())
+
+    async def watch(running: AsyncLLM) -> None:
+        error = await running.wait_until_dead()
+        logger.error("the engine died (%r): every in-flight request got an error and /health answers 503", error)
+        if on_engine_death is not None:
+            on_engine_death(error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        running = engine or await AsyncLLM.create(engine_args or EngineArgs())
+        running = await create_engine()
+        watcher = asyncio.create_task(watch(running))
         # Stats stay attached through the shutdown, which lets in-flight requests finish.
         async with engine_stats(app, running, server_args.log_stats_interval_s):
             app.state.engine = running  # /health answers 200 from here on
             try:
                 yield
             finally:
+                watcher.cancel()
                 if engine is None:
-                    await running.shutdown(server_args.shutdown_timeout_s)
+                    await running.shutdown(server_args.shutdown_timeout)
 
     middleware = []
     if server_args.allowed_origins:

@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions``: messages rendered with the model's chat template, replies whole or streamed.
 
-Logprobs use the chat shape: ``content[{token, logprob, bytes, top_logprobs[]}]``.
-A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice.
+Logprobs use the chat shape: ``content[{token, logprob, bytes, top_logprobs[]}]``;
+vLLM's ``prompt_logprobs`` come at the top of the response, in vLLM's shape.
+A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice
+(then, with vLLM's ``echo``, one delta per choice with the echoed content).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from server.protocol import (
     TopLogprob,
     UsageInfo,
     openai_finish_reason,
+    prompt_logprobs,
     sse_response,
     unix_time,
 )
@@ -60,18 +63,22 @@ def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:
-    """Raises a 400 for the features this server does not have (yet)."""
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
-    if request.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice other than 'none' is not supported", "tool_choice")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format of type {request.response_format.type!r} is not supported; "
-                          "only 'text' is", "response_format.type")
+    """Raises a 400 for what this server does not have (yet) or cannot make sense of, naming the field."""
+    request.check()
     if request.top_logprobs is not None and request.top_logprobs < 0:
         raise bad_request(f"top_logprobs must be >= 0, got {request.top_logprobs}", "top_logprobs")
     if request.top_logprobs and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+
+def _echoed_content(request: ChatCompletionRequest) -> str:
+    """What vLLM's ``echo`` puts before the reply: the last message's content when that message has
+    the reply's role (``assistant``, or the last message's own without ``add_generation_prompt``)."""
+    if not request.echo:
+        return ""
+    last = request.messages[-1]
+    role = "assistant" if request.add_generation_prompt else last.role
+    return last.text() if last.role == role else ""
 
 
 def _logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprobs]) -> ChatLogProbs:
@@ -89,8 +96,9 @@ async def create_chat_completion(request: ChatCompletionRequest,
                                  engine: AsyncLLM) -> ChatCompletionResponse | EventSourceResponse:
     """Run a chat request: a ``ChatCompletionResponse``, or an SSE stream of chunks.
 
+    Unset sampling fields take the model's defaults (``--generation-config``).
     Without ``max_completion_tokens`` / ``max_tokens`` the reply may use all the
-    context the prompt leaves.
+    context the prompt leaves, up to the model's ``max_new_tokens`` if it has one.
 
     Raises:
         OpenAIError: 400 for invalid or unsupported input, 404 for an unknown
@@ -98,42 +106,52 @@ async def create_chat_completion(request: ChatCompletionRequest,
     """
     check_model(request.model, engine.model_name)
     _check_supported(request)
-    token_ids = chat_prompt(request.messages, engine.tokenizer)
+    token_ids = chat_prompt(request.messages, engine.tokenizer, request.add_generation_prompt)
+    # Errors name the field the client set: chat's names for SamplingParams' max_tokens and logprobs.
+    max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
+    client_names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
     requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
-    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len)
+    defaults = engine.engine_core.default_sampling_params
+    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, max_tokens_param,
+                                    defaults.get("max_tokens"))
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    with engine_errors():
-        params = request.to_sampling_params(max_tokens, logprobs)
+    with engine_errors(client_names):
+        params = request.to_sampling_params(max_tokens, logprobs, request.prompt_logprobs, defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(None, token_ids, params, request_id, kind)
-    stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n,
+    stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n, client_names,
                          ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
                                              choices=[]))
     if request.stream:
         return await sse_response(stream.chunks(outputs))
-    with engine_errors():
+    with engine_errors(client_names):
         async with aclosing(outputs):
             async for output in outputs:  # FINAL_ONLY: one output, once every choice is done
                 final = output
-    return ChatCompletionResponse(
+    response = ChatCompletionResponse(
         id=request_id, created=stream.head.created, model=engine.model_name,
-        choices=[ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+        choices=[ChatChoice(index=c.index, message=AssistantMessage(content=stream.echo + c.text),
                             logprobs=stream.logprobs(c), finish_reason=openai_finish_reason(c.finish_reason))
                  for c in final.outputs],
         usage=UsageInfo.of(len(token_ids), sum(len(c.token_ids) for c in final.outputs)))
+    if request.prompt_logprobs is not None:
+        response.prompt_logprobs = prompt_logprobs(engine.tokenizer, final.prompt_logprobs or [])
+    return response
 
 
 class _ChatStream:
     """The chunks of one streamed chat request, all sharing ``head``'s id and timestamp."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase,
-                 num_prompt_tokens: int, n: int, head: ChatCompletionChunk) -> None:
+                 num_prompt_tokens: int, n: int, client_names: dict[str, str], head: ChatCompletionChunk) -> None:
         self.request = request
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
+        self.client_names = client_names
         self.head = head
+        self.echo = _echoed_content(request)
 
     def logprobs(self, completion: CompletionOutput) -> ChatLogProbs | None:
         return _logprobs(self.tokenizer, completion.logprobs or []) if self.request.logprobs else None
@@ -143,11 +161,11 @@ class _ChatStream:
 
     async def chunks(self, outputs: AsyncGenerator[RequestOutput, None]
                      ) -> AsyncGenerator[ChatCompletionChunk, None]:
-        """The role chunks once the engine answers, a chunk per choice that advanced,
-        then the usage chunk when asked for."""
+        """The role chunks once the engine answers (and the echo chunks), a chunk per choice
+        that advanced, then the usage chunk when asked for."""
         num_output_tokens = 0
         started = False
-        with engine_errors():
+        with engine_errors(self.client_names):
             async with aclosing(outputs):
                 async for output in outputs:
                     if not started:
@@ -155,6 +173,10 @@ class _ChatStream:
                         for index in range(self.n):
                             delta = DeltaMessage(role="assistant", content="")
                             yield self._chunk(ChatStreamChoice(index=index, delta=delta))
+                        if self.echo:
+                            for index in range(self.n):
+                                delta = DeltaMessage(content=self.echo)
+                                yield self._chunk(ChatStreamChoice(index=index, delta=delta))
                     for completion in output.outputs:
                         num_output_tokens += len(completion.token_ids)
                         logprobs = self.logprobs(completion)

@@ -198,6 +198,8 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=server_args.shutdown_timeout,
                                            log_config=log_config(server_args.log_format),
                                            access_log=server_args.access_log))
+    # uvicorn names the address only when it binds the socket itself.
+    logger.info("listening on http://%s:%d once the application has started", *sock.getsockname()[:2])
     server.run(sockets=[sock])
     if died:
         logger.error("exiting with status 1 because the engine died")

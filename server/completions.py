@@ -3,7 +3,8 @@
 Each prompt runs as one engine request with ``n`` completions; choice ``index``
 is ``prompt_index * n + completion_index``, as in OpenAI's API. Logprobs use
 the legacy completions shape (parallel ``tokens`` / ``token_logprobs`` /
-``top_logprobs`` / ``text_offset`` lists).
+``top_logprobs`` / ``text_offset`` lists); vLLM's ``prompt_logprobs`` come in
+each choice, in vLLM's shape.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from server.protocol import (
     PromptInput,
     UsageInfo,
     openai_finish_reason,
+    prompt_logprobs,
     sse_response,
     unix_time,
 )
@@ -90,12 +92,15 @@ class _ChoiceBuilder:
                 prompt = self.prompts[prompt_index]
                 prompt_text = self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text
                 text = prompt_text + text
-                prompt_logprobs = self._prompt_logprobs.get(prompt_index, [])  # empty when not asked for
-                tokens.extend(zip(prompt.token_ids, prompt_logprobs, strict=False))
+                echoed_logprobs = self._prompt_logprobs.get(prompt_index, [])  # empty when not asked for
+                tokens.extend(zip(prompt.token_ids, echoed_logprobs, strict=False))
         tokens.extend((lp.token_ids[0], lp) for lp in completion.logprobs or [])
         logprobs = None if self.request.logprobs is None else self._logprobs(index, tokens)
-        return CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                finish_reason=openai_finish_reason(completion.finish_reason))
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=openai_finish_reason(completion.finish_reason))
+        if self.request.prompt_logprobs is not None:  # never streamed: this is the whole choice
+            choice.prompt_logprobs = prompt_logprobs(self.tokenizer, self._prompt_logprobs[prompt_index])
+        return choice
 
     def _logprobs(self, index: int, tokens: list[tuple[int, TokenLogprobs | None]]) -> CompletionLogProbs:
         """Logprobs of ``tokens`` (None for the first prompt token, which has none)."""
@@ -117,20 +122,26 @@ async def create_completion(request: CompletionRequest,
                             engine: AsyncLLM) -> CompletionResponse | EventSourceResponse:
     """Run a completions request: a ``CompletionResponse``, or an SSE stream of chunks.
 
+    Unset sampling fields take the model's defaults (``--generation-config``);
+    its ``max_new_tokens`` caps ``max_tokens: null``, while a ``max_tokens`` left
+    out is OpenAI's 16.
+
     Raises:
         OpenAIError: 400 for invalid or unsupported input, 404 for an unknown
             model, 429 when the queue is full, 503 when the engine is down.
     """
     check_model(request.model, engine.model_name)
-    if request.suffix is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    if request.best_of is not None and request.best_of != (request.n or 1):
-        raise bad_request("best_of other than n is not supported", "best_of")
+    request.check()
     prompts = _split_prompts(request.prompt, engine.tokenizer)
+    defaults = engine.engine_core.default_sampling_params
+    # As in vLLM: echo with logprobs asks for the prompt's logprobs, to echo them.
+    num_prompt_logprobs = request.logprobs if request.prompt_logprobs is None and request.echo else (
+        request.prompt_logprobs)
     with engine_errors():
         params = [request.to_sampling_params(
-            resolve_max_tokens(request.max_tokens, len(p.token_ids), engine.max_model_len),
-            logprobs=request.logprobs, prompt_logprobs=request.logprobs if request.echo else None)
+            resolve_max_tokens(request.max_tokens, len(p.token_ids), engine.max_model_len,
+                               default=defaults.get("max_tokens")),
+            logprobs=request.logprobs, prompt_logprobs=num_prompt_logprobs, defaults=defaults)
             for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
 from typing import Any
@@ -71,6 +71,12 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 # --------------------------------------------------------------------------- checks shared by the endpoints
 
 
+def model_not_found(requested: str, served: str) -> OpenAIError:
+    """OpenAI's 404 ``model_not_found``, naming the model this server serves."""
+    return OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
+                       f"serves `{served}`.", param="model", code="model_not_found")
+
+
 def check_model(requested: str | None, served: str) -> None:
     """Accept the served model's name, or no name at all.
 
@@ -78,17 +84,19 @@ def check_model(requested: str | None, served: str) -> None:
         OpenAIError: 404 for any other name.
     """
     if requested and requested != served:
-        raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
-                          f"serves `{served}`.", param="model", code="model_not_found")
+        raise model_not_found(requested, served)
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       param: str = "max_tokens", default: int | None = None) -> int:
     """The output budget of a request: ``requested``, or all the context the prompt leaves.
 
     Args:
-        requested: the client's ``max_tokens``; None = up to ``max_model_len``.
+        requested: the client's ``max_tokens``; None = up to ``max_model_len``, and at most ``default``.
         num_prompt_tokens: prompt length in tokens.
         max_model_len: the engine's context length in tokens.
+        param: the field the client set ``requested`` in (``max_completion_tokens`` in chat).
+        default: the model's ``max_new_tokens``, capping a budget the client left open; None = no cap.
 
     Raises:
         OpenAIError: 400 when the prompt is empty or prompt + output exceeds ``max_model_len``
@@ -101,12 +109,13 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
                           f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
                           "input messages.", "prompt")
     if requested is None:
-        return max_model_len - num_prompt_tokens
+        room = max_model_len - num_prompt_tokens
+        return room if default is None else min(room, default)
     if requested > 0 and num_prompt_tokens + requested > max_model_len:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
                           f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
                           f"messages, {requested} in the completion). Please reduce the length of the "
-                          "messages or completion.", "max_tokens")
+                          "messages or completion.", param)
     return requested
 
 
@@ -118,11 +127,15 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
 
 
 @contextmanager
-def engine_errors() -> Iterator[None]:
+def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[None]:
     """Translate what building or running a request raises into OpenAI errors.
 
     ``ValueError`` (invalid sampling parameters, a prompt the engine refuses)
     -> 400; ``QueueFullError`` -> 429; ``EngineDeadError`` -> 503.
+
+    Args:
+        client_names: ``SamplingParams`` field -> the request field the client set it with, where
+            they differ (chat's ``top_logprobs`` is ``logprobs``), so that the error names the latter.
     """
     try:
         yield
@@ -131,8 +144,11 @@ def engine_errors() -> Iterator[None]:
     except EngineDeadError as exc:
         raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
     except ValueError as exc:
-        first_word = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), first_word if first_word in _PARAM_NAMES else None) from exc
+        first_word, _, rest = str(exc).partition(" ")
+        if first_word not in _PARAM_NAMES:
+            raise bad_request(str(exc)) from exc
+        param = (client_names or {}).get(first_word, first_word)
+        raise bad_request(f"{param} {rest}", param) from exc
 
 
 # --------------------------------------------------------------------------- handlers

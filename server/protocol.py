@@ -1,28 +1,113 @@
 """Request and response bodies of the HTTP API, in OpenAI's shapes (plus vLLM's extra sampling fields).
 
-Unknown request fields are ignored, as OpenAI-compatible servers do, so that
-clients written for other servers (e.g. llama.cpp's ``n_predict``) still work.
-Values are range-checked by ``SamplingParams``, not here, so that there is one
-set of rules whichever frontend builds the request.
+Nothing a client sends is dropped unseen (``check_fields``): a field that would
+change the output but is not implemented (tools, structured output, ...) is
+refused with a 400 naming it, from one table, ``UNSUPPORTED_FIELDS``. Any other
+unknown field is accepted, as OpenAI-compatible servers do so that clients
+written for other servers (e.g. llama.cpp's ``n_predict``) still work, and
+logged once per field name, as vLLM does. Sampling values are range-checked by
+``SamplingParams``, not here, so that there is one set of rules whichever
+frontend builds the request.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 from sse_starlette import EventSourceResponse
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from server.errors import OpenAIError
+from server.errors import OpenAIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+#: Most completions one request may ask for per prompt (``n``, ``best_of``): OpenAI's documented maximum.
+MAX_N = 128
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept, in ``model_extra``, so that ``check_fields`` can refuse or log them.
+    model_config = ConfigDict(extra="allow")
+
+
+# --------------------------------------------------------------------------- fields not served
+
+#: Fields that would change the output but are not implemented: name -> (what it asks for, the values
+#: that ask for nothing). A request setting one to anything else (null asks for nothing too) gets a 400
+#: naming it, never an answer made without it. Structured output and tool calling are to come.
+UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    # OpenAI's
+    "tools": ("tool calling", ()),
+    "tool_choice": ("tool calling", ("none",)),
+    "functions": ("function calling", ()),
+    "function_call": ("function calling", ("none",)),
+    "response_format": ("structured output", ({"type": "text"},)),
+    "reasoning_effort": ("reasoning; no reasoning model is served", ()),
+    "audio": ("audio output", ()),
+    "modalities": ("output other than text", (["text"],)),
+    "web_search_options": ("web search", ()),
+    "suffix": ("fill in the middle", ()),
+    # vLLM's
+    "guided_json": ("structured output", ()),
+    "guided_regex": ("structured output", ()),
+    "guided_choice": ("structured output", ()),
+    "guided_grammar": ("structured output", ()),
+    "structured_outputs": ("structured output", ()),
+    "use_beam_search": ("beam search", (False,)),
+    "length_penalty": ("beam search", (1.0,)),
+    "allowed_token_ids": ("sampling from given tokens only", ()),
+    "bad_words": ("banned words", ([],)),
+    "logits_processors": ("custom logits processors", ()),
+    "truncate_prompt_tokens": ("prompt truncation", ()),
+    "continue_final_message": ("continuing the final message", (False,)),
+    "chat_template": ("a chat template of the request's own", ()),
+    "chat_template_kwargs": ("chat template arguments", ({},)),
+    "documents": ("documents for the chat template", ()),
+    "spaces_between_special_tokens": ("no spaces between special tokens", (True,)),
+    "return_tokens_as_token_ids": ("tokens written as token ids", (False,)),
+}
+
+_logged_unknown_fields: set[str] = set()
+#: Field names logged at most (about): a client sending made-up names must not grow memory or the log forever.
+_MAX_LOGGED_UNKNOWN_FIELDS = 1000
+
+
+def _unknown_fields(model: BaseModel, prefix: str = "") -> Iterator[str]:
+    """The names of the fields of ``model`` and its nested models that no model declares, dotted
+    from the top (``messages.name``, list indexes left out)."""
+    for name in model.model_extra or {}:
+        yield prefix + name
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                yield from _unknown_fields(item, f"{prefix}{name}.")
+
+
+def check_fields(request: BaseModel) -> None:
+    """Refuse the fields of ``UNSUPPORTED_FIELDS`` that ask for something; log the other unknown ones,
+    each field name once per process (clients repeat them on every request).
+
+    Raises:
+        OpenAIError: 400 naming the first unsupported field set.
+    """
+    for name, value in (request.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value is not None and value not in UNSUPPORTED_FIELDS[name][1]:
+            asks_for, harmless = UNSUPPORTED_FIELDS[name]
+            alternative = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
+            raise bad_request(f"'{name}' is not supported yet ({asks_for}): remove it from the "
+                              f"request{alternative}.", name)
+    new = {name for name in _unknown_fields(request) if name not in UNSUPPORTED_FIELDS} - _logged_unknown_fields
+    if new and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:
+        logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
+        _logged_unknown_fields.update(new)
 
 
 # --------------------------------------------------------------------------- requests
@@ -35,7 +120,8 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """The fields completions and chat share: the model, streaming and sampling.
 
-    A field left out or sent as ``null`` takes ``SamplingParams``' default.
+    A field left out or sent as ``null`` takes the model's default (``--generation-config``),
+    else ``SamplingParams``'.
     """
 
     model: str | None = None
@@ -43,6 +129,7 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int | None = None
+    best_of: int | None = None  # accepted when equal to n: the engine returns every completion it makes
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -59,26 +146,49 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token, in vLLM's shape; not streamed
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None,
-                           prompt_logprobs: int | None = None) -> SamplingParams:
+    def check(self) -> None:
+        """Refuse what neither endpoint serves, naming the field the client set.
+
+        Raises:
+            OpenAIError: 400 for an unsupported field (``check_fields``), ``n`` above ``MAX_N``,
+                ``best_of`` other than ``n``, ``stream_options`` without ``stream``, or
+                ``prompt_logprobs`` with ``stream`` (as vLLM does: they arrive with the last token).
+        """
+        check_fields(self)
+        if self.n is not None and self.n > MAX_N:
+            raise bad_request(f"n must be <= {MAX_N}, got {self.n}", "n")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request(f"best_of other than n is not supported: got best_of {self.best_of}, "
+                              f"n {self.n or 1}", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+                           defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's parameters for this request.
 
         Args:
             max_tokens: most output tokens per completion, resolved by the endpoint.
             logprobs: top logprobs per output token; None = no logprobs.
             prompt_logprobs: top logprobs per prompt token; None = none.
+            defaults: the model's values for the fields the request leaves unset
+                (``EngineCore.default_sampling_params``); its ``max_tokens`` is the endpoint's business.
 
         Raises:
             ValueError: a value out of range, naming the field.
         """
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        model_defaults = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              **given)
+                              **(model_defaults | given))
 
 
 _SAMPLING_FIELDS = (
@@ -97,8 +207,6 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default; null = up to the context length
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -139,21 +247,17 @@ class ChatMessage(OpenAIBaseModel):
         return self.content or ""
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions``, with vLLM's ``echo`` and ``add_generation_prompt``."""
 
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's: the reply starts with the last message's content when that message has the reply's role.
+    echo: bool = False
+    add_generation_prompt: bool = True
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -219,7 +323,47 @@ class ResponseHead(OpenAIBaseModel):
     model: str
 
 
-class CompletionChoice(Choice):
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's logprob of one token at one prompt position."""
+
+    logprob: float
+    rank: int  # in the distribution at that position, 1 = most likely
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt position, token id -> its logprob (None for the first
+#: position, which has none); the prompt's own token and the top ``prompt_logprobs`` ones.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs(tokenizer: Any, entries: list[TokenLogprobs | None]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` from the engine's (``tokenizer`` decodes the tokens)."""
+    def position(lp: TokenLogprobs) -> dict[int, PromptLogprob]:
+        ranks = [lp.rank, *range(1, len(lp.token_ids))]  # the prompt's token first, then the top k
+        result: dict[int, PromptLogprob] = {}
+        for token_id, logprob, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
+            result.setdefault(token_id, PromptLogprob(logprob=logprob, rank=rank,
+                                                      decoded_token=tokenizer.decode([token_id])))
+        return result
+
+    return [None if lp is None else position(lp) for lp in entries]
+
+
+class WithPromptLogprobs(OpenAIBaseModel):
+    """vLLM's ``prompt_logprobs`` field, in the JSON only when the request asked for them."""
+
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        value = data.pop("prompt_logprobs", None)
+        if value is not None:
+            data["prompt_logprobs"] = value  # last, after what every response has
+        return data
+
+
+class CompletionChoice(Choice, WithPromptLogprobs):
     text: str
     logprobs: CompletionLogProbs | None = None
 
@@ -256,7 +400,7 @@ class ChatChoice(Choice):
     logprobs: ChatLogProbs | None = None
 
 
-class ChatCompletionResponse(ResponseHead):
+class ChatCompletionResponse(ResponseHead, WithPromptLogprobs):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo

@@ -14,11 +14,12 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from benchmarks import serve
 from benchmarks.dataset import SyntheticRequest, parse_len_range, sample_requests
@@ -104,9 +105,26 @@ def test_mfu_and_bandwidth_bound_on_known_numbers() -> None:
         model_flops_utilisation(1, 1, 1, 1, 0.0, 1.0)
 
 
+FAKE_REFUSED_KEY = "Bearer refused-key"
+
+
 def _fake_openai_app() -> FastAPI:
-    """Streams FAKE_TOKENS one per chunk, then usage unless the body says ``omit_usage``."""
+    """Streams FAKE_TOKENS one per chunk, then usage unless the body says ``omit_usage``.
+
+    It records each request's ``Authorization`` header in ``app.state.authorizations`` and answers
+    ``FAKE_REFUSED_KEY`` with a 401 in OpenAI's error shape.
+    """
     app = FastAPI()
+    app.state.authorizations = []
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Any:
+        app.state.authorizations.append(request.headers.get("authorization"))
+        if request.headers.get("authorization") == FAKE_REFUSED_KEY:
+            error = {"message": "Incorrect API key provided.", "type": "invalid_request_error", "param": None,
+                     "code": "invalid_api_key"}
+            return JSONResponse({"error": error}, status_code=401)
+        return await call_next(request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -132,10 +150,15 @@ def _fake_openai_app() -> FastAPI:
 
 
 @pytest.fixture(scope="module")
-def fake_server() -> Iterator[str]:
+def fake_app() -> FastAPI:
+    return _fake_openai_app()
+
+
+@pytest.fixture(scope="module")
+def fake_server(fake_app: FastAPI) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(_fake_openai_app(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(fake_app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -179,6 +202,44 @@ def test_serve_main_writes_the_result_json(fake_server: str, tmp_path: Path,
     assert code == 0
     assert record["completed"] == 3 and record["label"] == "fake" and record["model"] == "fake-model"
     assert record["total_output_tokens"] == 3 * len(FAKE_TOKENS)
+
+
+def test_api_key_is_sent_as_a_bearer_token_on_every_request(
+        fake_server: str, fake_app: FastAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: WordTokenizer())
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    out = tmp_path / "result.json"
+    fake_app.state.authorizations.clear()
+    argv = ["--base-url", fake_server, "--num-prompts", "2", "--input-len", "4", "--output-len", "5",
+            "--no-progress", "--result-json", str(out)]
+    assert serve.main(argv) == 0
+    assert fake_app.state.authorizations == ["Bearer from-env"] * 3  # /v1/models, then 2 completions
+    fake_app.state.authorizations.clear()
+    assert serve.main([*argv, "--api-key", "from-flag"]) == 0
+    assert fake_app.state.authorizations == ["Bearer from-flag"] * 3
+    assert "from-flag" not in out.read_text()  # the key stays out of the result file
+    monkeypatch.delenv("OPENAI_API_KEY")
+    fake_app.state.authorizations.clear()
+    assert serve.main(argv) == 0
+    assert fake_app.state.authorizations == [None] * 3
+
+
+def test_refused_api_key_is_one_line_not_a_traceback(fake_server: str, capsys: pytest.CaptureFixture,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    loaded = []
+    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: loaded.append(name))
+    code = serve.main(["--base-url", fake_server, "--api-key", FAKE_REFUSED_KEY.removeprefix("Bearer "),
+                       "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and not loaded  # the server was asked before the tokenizer loaded
+    assert err.splitlines() == [
+        f"error: GET {serve.api_root(fake_server)}/v1/models answered HTTP 401 (pass --api-key or set "
+        "OPENAI_API_KEY): Incorrect API key provided."]
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert serve.main(["--base-url", closed, "--no-progress"]) == 1
+    assert capsys.readouterr().err.startswith(f"error: GET {closed}/v1/models failed: ConnectError")
 
 
 def test_ignore_eos_sends_vllm_and_llama_cpp_fields() -> None:

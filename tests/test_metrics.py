@@ -267,7 +267,7 @@ def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_pat
         assert _stats_lines(log) == busy_lines, "stats lines while idle"
         access = [json.loads(line) for line in log.read_text().splitlines() if "POST /v1/completions" in line]
         assert [line["logger"] for line in access] == ["uvicorn.access"]
-        uvicorn_lines = [json.loads(line) for line in log.read_text().splitlines() if "Uvicorn running" in line]
+        uvicorn_lines = [json.loads(line) for line in log.read_text().splitlines() if "startup complete" in line]
         assert [line["logger"] for line in uvicorn_lines] == ["uvicorn"]  # not "uvicorn.error"
         process.terminate()
         process.wait(timeout=120)

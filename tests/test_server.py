@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -18,9 +19,10 @@ import pytest
 import server
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
+from engine.sampling_params import SamplingParams
 from server.app import ServerArgs
 from server.cli import build_parser, main, resolve_settings
-from tests.conftest import Served, sse_payloads
+from tests.conftest import Served, cli_server, free_port, sse_payloads
 
 GREEDY = {"temperature": 0.0}
 
@@ -345,11 +347,12 @@ def test_yaml_unknown_keys_and_wrong_types_are_rejected_by_name(tmp_path: Any) -
 def test_invalid_settings_exit_with_a_usage_error(tmp_path: Any, capsys: pytest.CaptureFixture) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text("no_such_setting: 1\n")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--config", str(config)])
-    assert exit_info.value.code == 2 and "no_such_setting" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    assert main(["serve", "--config", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("pagedserve serve: error: ") and "no_such_setting" in error and error.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own choices check
         main(["serve", "--dtype", "float64"])
+    assert exit_info.value.code == 2
 
 
 def test_api_key_comes_from_the_environment_unless_configured() -> None:
@@ -377,23 +380,28 @@ def test_bench_serve_subcommand_uses_the_benchmark_options() -> None:
     assert args.run is bench_serve.run and (args.num_prompts, args.endpoint) == (3, "chat")
 
 
+#: Runs ``python -m server`` with EngineCore.step raising from the second step: a fault inside the engine.
+_FAULTY_ENGINE = """
+import sys
+from engine.core.engine_core import EngineCore
+from server.cli import main
+step = EngineCore.step
+calls = []
+def faulty_step(self):
+    calls.append(1)
+    if len(calls) > 1:
+        raise RuntimeError("injected engine fault")
+    return step(self)
+EngineCore.step = faulty_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Any) -> None:
     """``python -m server serve`` end to end: YAML config, a stream, SIGTERM, a clean exit."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     config = tmp_path / "serve.yaml"
-    config.write_text("max_model_len: 256\nkv_cache_memory_bytes: 32MiB\nshutdown_timeout_s: 60\n")
-    log = (tmp_path / "server.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--config", str(config),
-                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while not _healthy(url):
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.5)
+    config.write_text("max_model_len: 256\nkv_cache_memory_bytes: 32MiB\nshutdown_timeout: 60\n")
+    with cli_server(tmp_path, "--config", str(config)) as (url, process):
         body = {"prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
@@ -404,13 +412,186 @@ def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Any) -> None:
         assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 40
         # After its graceful shutdown uvicorn re-raises the signal, so the exit status says SIGTERM.
         assert process.wait(timeout=120) == -signal.SIGTERM
-    finally:
-        process.kill()
-        log.close()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
+def test_a_dead_engine_fails_the_stream_and_ends_the_process_non_zero(tmp_path: Any) -> None:
+    """As vLLM does: the in-flight request gets an error, then the process exits 1 (Docker's restart
+    policy and Kubernetes restart it) instead of answering 503 forever."""
+    with cli_server(tmp_path, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
+                    code=_FAULTY_ENGINE) as (url, process):
+        body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            events = sse_payloads(response.iter_lines())
+        assert "engine" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+        assert process.wait(timeout=60) == 1
+    assert "injected engine fault" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/no/such/model"], "model path '/no/such/model' is not a folder or a .gguf file"),
+    (["--max-model-len", "8192", "--kv-cache-memory-bytes", "64MiB"],
+     "cannot hold one request of max_model_len 8192 tokens"),
+    (["--block-size", "0"], "block_size must be >= 1"),
+])
+def test_start_up_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "server", "serve", "--port", str(free_port()), *args],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
+
+
+def test_port_in_use_is_found_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "server", "serve", "--port", str(port)], capture_output=True,
+                                text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    expected = f"pagedserve serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.stderr.strip() == expected
+
+
+# --------------------------------------------------------------------------- fields honoured as vLLM does
+
+
+def test_chat_echo_prepends_the_last_assistant_message(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Greet me."}, {"role": "assistant", "content": "Hello"}]
+    body = {"messages": messages, "max_tokens": 4, "ignore_eos": True, **GREEDY}
+    reply = post(client, "/v1/chat/completions", **body)["choices"][0]["message"]["content"]
+    echoed = post(client, "/v1/chat/completions", **body, echo=True)
+    assert echoed["choices"][0]["message"]["content"] == "Hello" + reply
+    events = stream(client, "/v1/chat/completions", **body, echo=True)
+    assert events[1]["choices"][0]["delta"] == {"content": "Hello"}  # right after the role chunk
+    assert joined_text(events) == "Hello" + reply
+    # The last message is the user's: nothing to echo.
+    user_only = {**body, "messages": messages[:1], "echo": True}
+    assert post(client, "/v1/chat/completions", **user_only)["choices"][0]["message"]["content"] == (
+        post(client, "/v1/chat/completions", **{**user_only, "echo": False})["choices"][0]["message"]["content"])
+
+
+def test_chat_add_generation_prompt_false_renders_as_tokenize_does(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    response = post(client, "/v1/chat/completions", messages=messages, max_tokens=1, add_generation_prompt=False)
+    tokens = post(client, "/tokenize", messages=messages, add_generation_prompt=False)
+    assert response["usage"]["prompt_tokens"] == tokens["count"]
+    assert tokens["count"] < post(client, "/tokenize", messages=messages)["count"]
+
+
+def test_best_of_equal_to_n_is_served(client: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2, "best_of": 2}
+    assert len(post(client, "/v1/chat/completions", **body)["choices"]) == 2
+
+
+def _check_prompt_logprobs(entries: list[Any], prompt_ids: list[int], k: int) -> None:
+    """vLLM's shape: per prompt position, token id -> {logprob, rank, decoded_token}; None first."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+        assert str(token_id) in entry and 1 <= len(entry) <= k + 1
+        assert {rank for rank in range(1, k + 1)} <= {v["rank"] for v in entry.values()}
+        assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str) for v in entry.values())
+
+
+def test_prompt_logprobs_in_vllm_shape_on_chat_and_completions(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = post(client, "/v1/chat/completions", messages=messages, max_tokens=1, prompt_logprobs=2)
+    _check_prompt_logprobs(chat["prompt_logprobs"], post(client, "/tokenize", messages=messages)["tokens"], 2)
+    assert "prompt_logprobs" not in post(client, "/v1/chat/completions", messages=messages, max_tokens=1)
+
+    completion = post(client, "/v1/completions", prompt="Paris is", max_tokens=1, prompt_logprobs=1)
+    prompt_ids = post(client, "/tokenize", prompt="Paris is")["tokens"]
+    _check_prompt_logprobs(completion["choices"][0]["prompt_logprobs"], prompt_ids, 1)
+    assert "prompt_logprobs" not in post(client, "/v1/completions", prompt="Paris is", max_tokens=1)["choices"][0]
+
+
+# --------------------------------------------------------------------------- the model's generation config
+
+
+def test_the_embedded_model_has_no_generation_config(served: Served) -> None:
+    assert served.engine.engine_core.default_sampling_params == {}
+
+
+def _tiny_chat_model(folder: Any, generation_config: dict[str, Any]) -> None:
+    """A tiny random llama with the embedded SmolLM2's tokenizer (and chat template) and ``generation_config``."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model.loader import gguf_cache_folder, resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_cache_folder(resolve_model_path(None)).path)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, tie_word_embeddings=True,
+                                  eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps(generation_config))
+
+
+def test_unset_sampling_fields_take_the_models_generation_config(
+        tmp_path: Any, serve_fresh_engine: Any, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _tiny_chat_model(tmp_path, {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1,
+                                "max_new_tokens": 5, "do_sample": True, "eos_token_id": 2})
+    with caplog.at_level(logging.INFO, logger="engine.generation_config"):
+        tiny = serve_fresh_engine(model=str(tmp_path), served_model_name="org/tiny", max_model_len=256,
+                                  kv_cache_memory_bytes="8MiB")
+    expected = {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1, "max_tokens": 5}
+    assert f"overridden by the model's generation config: {expected}" in caplog.text
+    seen: list[SamplingParams] = []  # what the engine was asked to run, latest last
+    core = tiny.engine.engine_core
+    check_request = core.check_request
+
+    def recording_check_request(prompt_token_ids: list[int], params: SamplingParams) -> None:
+        seen.append(params)
+        check_request(prompt_token_ids, params)
+
+    monkeypatch.setattr(core, "check_request", recording_check_request)
+    messages = [{"role": "user", "content": "Hi"}]
+    with httpx.Client(base_url=tiny.url, timeout=120) as http:
+        unset = post(http, "/v1/chat/completions", messages=messages, ignore_eos=True)
+        assert (seen[-1].temperature, seen[-1].top_k, seen[-1].repetition_penalty) == (0.25, 7, 1.1)
+        assert seen[-1].top_p == 1.0  # not in the file: the engine's default
+        assert unset["usage"]["completion_tokens"] == 5  # max_new_tokens caps an open budget
+        explicit = post(http, "/v1/chat/completions", messages=messages, ignore_eos=True, temperature=1.0,
+                        top_k=0, repetition_penalty=1.0, max_tokens=8)
+        assert (seen[-1].temperature, seen[-1].top_k, seen[-1].repetition_penalty) == (1.0, 0, 1.0)
+        assert explicit["usage"]["completion_tokens"] == 8
+        post(http, "/v1/completions", prompt="Hi", max_tokens=None, ignore_eos=True)
+        assert seen[-1].temperature == 0.25 and seen[-1].max_tokens == 5
+        post(http, "/v1/completions", prompt="Hi", ignore_eos=True)
+        assert seen[-1].max_tokens == 16  # OpenAI's default for completions
+    # The openai SDK retrieves a hub-style id with a slash (it sends it as %2F).
+    sdk = openai.OpenAI(base_url=f"{tiny.url}/v1", api_key="unused", max_retries=0)
+    assert sdk.models.retrieve("org/tiny").id == "org/tiny"
+
+    untouched = serve_fresh_engine(model=str(tmp_path), generation_config="vllm", max_model_len=256,
+                                   kv_cache_memory_bytes="8MiB")
+    assert untouched.engine.engine_core.default_sampling_params == {}
+    with httpx.Client(base_url=untouched.url, timeout=120) as http:
+        post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
+
+    # The offline LLM uses the same defaults when given no parameters, as vLLM's does.
+    from engine import LLM
+
+    offline = LLM(str(tmp_path), max_model_len=256, kv_cache_memory_bytes="8MiB").get_default_sampling_params()
+    assert (offline.temperature, offline.top_k, offline.repetition_penalty, offline.max_tokens) == (0.25, 7, 1.1, 5)
+
+
+def test_generation_config_can_come_from_another_folder_or_be_off(tmp_path: Any) -> None:
+    from engine.generation_config import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.9, "top_k": null}')
+    assert load_generation_defaults("/nonexistent", str(tmp_path)) == {"temperature": 0.7, "top_p": 0.9}
+    assert load_generation_defaults(str(tmp_path), "auto") == {"temperature": 0.7, "top_p": 0.9}
+    assert load_generation_defaults(str(tmp_path), "none") == {}
+    assert load_generation_defaults(str(tmp_path / "missing"), "auto") == {}
+    with pytest.raises(ValueError, match="not a folder holding a generation_config.json"):
+        load_generation_defaults(str(tmp_path), str(tmp_path / "missing"))
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        load_generation_defaults(str(tmp_path), "auto")
+    parse = build_parser().parse_args(["serve", "--generation-config", "vllm"])
+    assert resolve_settings(parse, {})[0].generation_config == "vllm"

@@ -6,6 +6,7 @@ limit (429) and an engine that dies under load (503, no hang).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,11 @@ import httpx
 import openai
 import pytest
 
+from engine.model.loader import gguf_cache_folder, resolve_model_path
+from server import protocol
 from server.app import ServerArgs
+from server.cli import main as cli_main
+from server.protocol import MAX_N, UNSUPPORTED_FIELDS
 from tests.conftest import Served, sse_payloads
 
 LONG_PROMPT = [19556] * 2100  # token ids, more than max_model_len (2048)
@@ -51,9 +56,26 @@ INVALID_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, 400,
-     "response_format.type"),
+     "response_format"),
     ("/v1/chat/completions", {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": 5000}, 400, "max_tokens"),
+    # Fields that would change the output and are not served: refused, naming the field.
+    ("/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "Hi", "guided_regex": "[0-9]+"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "Hi", "guided_grammar": "root ::= \"a\""}, 400, "guided_grammar"),
+    ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"choice": ["a"]}}, 400,
+     "structured_outputs"),
+    ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f", "parameters": {}}]}, 400,
+     "functions"),
+    ("/v1/chat/completions", {"messages": USER, "function_call": "auto"}, 400, "function_call"),
+    ("/v1/chat/completions", {"messages": USER, "reasoning_effort": "low"}, 400, "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": USER, "best_of": 2}, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": USER, "n": 129}, 400, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 129}, 400, "n"),
     ("/v1/chat/completions", {"messages": USER, "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ("/tokenize", {}, 400, None),
@@ -115,6 +137,85 @@ def test_invalid_requests_do_not_disturb_a_running_stream(client: httpx.Client, 
     assert client.get("/health").status_code == 200
 
 
+# --------------------------------------------------------------------------- nothing silently dropped
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED_FIELDS))
+def test_every_unsupported_field_is_refused_by_name(client: httpx.Client, served: Served, field: str) -> None:
+    for path, body in [("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "Hi"})]:
+        error = assert_openai_error(client.post(path, json={**body, field: "on"}), 400, field)
+        assert "not supported yet" in error["message"] and f"'{field}'" in error["message"]
+    assert not served.engine.errored
+
+
+@pytest.mark.parametrize(("field", "value"), [(field, harmless[0]) for field, (_, harmless)
+                                               in sorted(UNSUPPORTED_FIELDS.items()) if harmless]
+                         + [("tools", None)])
+def test_unsupported_fields_asking_for_nothing_are_accepted(client: httpx.Client, field: str, value: Any) -> None:
+    body = {"messages": USER, "max_tokens": 1, field: value}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_unknown_fields_are_accepted_and_logged_once_per_name(
+        client: httpx.Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "_logged_unknown_fields", set())  # as if no earlier test sent them
+    messages = [{"role": "user", "content": "Hi", "name": "ann"}]
+    with caplog.at_level(logging.WARNING, logger="server.protocol"):
+        for _ in range(2):
+            for path, body in [("/v1/completions", {"prompt": "Hi", "foo_bar": 1}),
+                               ("/v1/chat/completions", {"messages": messages, "foo_bar": 1, "n_predict": 3}),
+                               ("/v1/completions", {"prompt": "Hi", "prediction": {"type": "content"}})]:
+                assert client.post(path, json={**body, "max_tokens": 1}).status_code == 200
+    ignored = [r.getMessage() for r in caplog.records
+               if "were present in the request but ignored" in r.getMessage()]
+    assert ignored == [
+        "The following fields were present in the request but ignored: ['foo_bar']",
+        "The following fields were present in the request but ignored: ['messages.name', 'n_predict']",
+        "The following fields were present in the request but ignored: ['prediction']"]
+    assert all(r.levelno == logging.WARNING for r in caplog.records if r.getMessage() in ignored)
+
+
+def test_n_is_bounded_by_a_documented_maximum(client: httpx.Client) -> None:
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": "Hi", "n": MAX_N + 1}), 400, "n")
+    assert str(MAX_N) in error["message"]
+    assert MAX_N == 128  # OpenAI's documented maximum
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Hi"}),
+                                       ("/v1/chat/completions", {"messages": USER})])
+def test_stream_options_without_stream_is_refused(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    options = {"stream_options": {"include_usage": True}}
+    for stream in ({}, {"stream": False}):
+        assert_openai_error(client.post(path, json={**body, **options, **stream}), 400, "stream_options")
+    assert client.post(path, json={**body, **options, "stream": True, "max_tokens": 1}).status_code == 200
+    assert client.post(path, json={**body, "stream_options": None, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Hi"}),
+                                       ("/v1/chat/completions", {"messages": USER})])
+def test_prompt_logprobs_cannot_be_streamed(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    response = client.post(path, json={**body, "prompt_logprobs": 1, "stream": True})
+    assert_openai_error(response, 400, "prompt_logprobs")
+
+
+def test_top_logprobs_errors_name_top_logprobs(openai_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        openai_client.chat.completions.create(model="", messages=USER, logprobs=True, top_logprobs=21)
+    assert raised.value.body["param"] == "top_logprobs"
+    assert raised.value.body["message"].startswith("top_logprobs must be <= 20")
+
+
+def test_models_retrieve_gives_the_card_and_404_for_other_ids(
+        client: httpx.Client, openai_client: openai.OpenAI, served: Served) -> None:
+    card = openai_client.models.retrieve(served.engine.model_name)
+    assert (card.id, card.object, card.owned_by) == (served.engine.model_name, "model", "pagedserve")
+    assert client.get(f"/v1/models/{served.engine.model_name}").json()["max_model_len"] == 2048
+    error = assert_openai_error(client.get("/v1/models/gpt-4"), 404, "model")
+    assert error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("org/other-model")
+
+
 # --------------------------------------------------------------------------- access and limits
 
 
@@ -136,6 +237,28 @@ def test_api_key_guards_the_api_but_not_health_or_version(serve_app: Any) -> Non
     assert sdk.completions.create(model="", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{app.url}/v1", api_key="guess", max_retries=0).models.list()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{app.url}/v1", api_key="guess", max_retries=0).models.retrieve("x")
+
+
+def test_bench_serve_sends_the_api_key_and_a_refused_one_is_one_line(
+        serve_app: Any, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    app = serve_app(ServerArgs(api_key="sekret"))
+    tokenizer = gguf_cache_folder(resolve_model_path(None)).path  # an HF folder: loads fast
+    argv = ["bench", "serve", "--base-url", f"{app.url}/v1", "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "2", "--tokenizer", tokenizer, "--no-progress"]
+    monkeypatch.setenv("OPENAI_API_KEY", "sekret")  # the default of --api-key, as for the openai SDK
+    assert cli_main(argv) == 0
+    assert "Successful requests" in capsys.readouterr().out
+    assert cli_main([*argv, "--api-key", "sekret"]) == 0
+    capsys.readouterr()
+
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert cli_main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1, captured.err
+    assert captured.err.startswith(f"error: GET {app.url}/v1/models answered HTTP 401 (pass --api-key")
+    assert "Traceback" not in captured.err
 
 
 def test_cors_is_off_by_default_and_on_for_allowed_origins(client: httpx.Client, serve_app: Any) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.generation_config import load_generation_defaults
 from engine.model.loader import (
     gguf_cache_folder,
     load_hf_config,
@@ -25,10 +26,11 @@ from engine.model.loader import (
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.worker.host_resources import limit_threads_to_cpu_quota
 from engine.worker.kv_cache import (
-    DEFAULT_CPU_KV_CACHE_BYTES,
     allocate_kv_caches,
     available_cuda_kv_bytes,
+    default_cpu_kv_cache_bytes,
     kv_cache_bytes_per_block,
     num_blocks_for_memory,
 )
@@ -67,7 +69,11 @@ class EngineCore:
         self.model_name = args.served_model_name or source.display_name
         self.hf_config = load_hf_config(source)
         self.tokenizer = load_tokenizer(source)
+        # Defaults for the sampling fields a request leaves unset (the server applies them, as vLLM's does).
+        self.default_sampling_params = load_generation_defaults(source.path, args.generation_config)
         self.device = resolve_device(args.device)
+        if self.device.type == "cpu":
+            limit_threads_to_cpu_quota()
         dtype = resolve_dtype(args.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len(args)
         attn_backend = "triton" if self.device.type == "cuda" else "cpu"
@@ -80,12 +86,13 @@ class EngineCore:
         bytes_per_block = kv_cache_bytes_per_block(model.num_layers, args.block_size, model.num_kv_heads,
                                                    model.head_dim, dtype)
         num_blocks = self._num_kv_blocks(model, dtype, max_num_batched_tokens, bytes_per_block)
-        kv_caches = allocate_kv_caches(model.num_layers, num_blocks, args.block_size, model.num_kv_heads,
-                                       model.head_dim, dtype, self.device)
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB), max %.1f requests of max_model_len",
+        logger.info("allocating the KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB), "
+                    "max %.1f requests of max_model_len",
                     num_blocks - 1, args.block_size, (num_blocks - 1) * args.block_size,
                     num_blocks * bytes_per_block / 2**20,
                     (num_blocks - 1) * args.block_size / self.max_model_len)
+        kv_caches = allocate_kv_caches(model.num_layers, num_blocks, args.block_size, model.num_kv_heads,
+                                       model.head_dim, dtype, self.device)
         self.model_runner = ModelRunner(model, kv_caches, args.max_num_seqs, self.max_model_len,
                                         max_num_batched_tokens, args.block_size, self.vocab_size, self.device,
                                         args.seed, args.enforce_eager)
@@ -119,8 +126,23 @@ class EngineCore:
             torch.cuda.empty_cache()
             memory = available_cuda_kv_bytes(self.device, args.gpu_memory_utilization)
         else:
-            memory = DEFAULT_CPU_KV_CACHE_BYTES
-        return num_blocks_for_memory(memory, bytes_per_block)
+            memory = default_cpu_kv_cache_bytes()
+        num_blocks = num_blocks_for_memory(memory, bytes_per_block)
+        self._check_kv_cache_holds_one_request(num_blocks, bytes_per_block)
+        return num_blocks
+
+    def _check_kv_cache_holds_one_request(self, num_blocks: int, bytes_per_block: int) -> None:
+        """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens, naming the
+        largest ``max_model_len`` it can hold (block 0 is the null block)."""
+        block_size = self.args.block_size
+        needed = -(-self.max_model_len // block_size)
+        if num_blocks - 1 < needed:
+            raise ValueError(
+                f"the KV cache ({(num_blocks - 1) * bytes_per_block / 2**20:.0f} MiB, {num_blocks - 1} blocks) "
+                f"cannot hold one request of max_model_len {self.max_model_len} tokens, which needs "
+                f"{needed * bytes_per_block / 2**20:.0f} MiB; give it more memory (kv_cache_memory_bytes, "
+                f"gpu_memory_utilization, the container's memory limit) or set max_model_len to at most "
+                f"{(num_blocks - 1) * block_size}")
 
     # ------------------------------------------------------------------ requests
 
