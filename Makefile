@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # torch comes from PyTorch's own index: the CPU build where no NVIDIA driver is found, else CUDA 12.8.
-# A torch already in the venv is kept; a wheel that pip finds without an index (--find-links) is taken first.
+# A torch already in the venv is kept, and a wheel pip finds without an index (--find-links, e.g. offline)
+# is taken first; torch's own dependencies then come with the project's.
 TORCH ?= torch==2.13.0
 TORCH_INDEX_URL ?= $(if $(shell command -v nvidia-smi),https://download.pytorch.org/whl/cu128,https://download.pytorch.org/whl/cpu)
 HOST ?= 127.0.0.1
@@ -24,7 +25,7 @@ $(BIN)/python:
 
 $(VENV)/.torch: $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null \
-		|| $(BIN)/pip install --no-index "$(TORCH)" 2>/dev/null \
+		|| $(BIN)/pip install --no-index --no-deps "$(TORCH)" 2>/dev/null \
 		|| $(BIN)/pip install --index-url "$(TORCH_INDEX_URL)" "$(TORCH)"
 	touch $@
 
