@@ -78,6 +78,7 @@ class AsyncLLM:
         self.tokenizer = engine_core.tokenizer
         self.model_name = engine_core.model_name
         self.max_model_len = engine_core.max_model_len
+        self.default_sampling_params = engine_core.default_sampling_params
         self.output_processor = OutputProcessor(self.tokenizer)
         self._loop = loop
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()

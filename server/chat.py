@@ -111,7 +111,7 @@ async def create_chat_completion(request: ChatCompletionRequest,
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     client_names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
     requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
-    defaults = engine.engine_core.default_sampling_params
+    defaults = engine.default_sampling_params
     max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, max_tokens_param,
                                     defaults.get("max_tokens"))
     logprobs = (request.top_logprobs or 0) if request.logprobs else None

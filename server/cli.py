@@ -207,14 +207,23 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     return 0
 
 
+def _startup_failed(err: Exception) -> int:
+    print(f"pagedserve serve: error: {err}", file=sys.stderr)
+    return 2
+
+
 def _run_serve(args: argparse.Namespace) -> int:
+    """``pagedserve serve``: a start-up error is one line on stderr and exit code 2; errors while
+    serving are not caught here."""
     try:
         engine_args, server_args = resolve_settings(args)
-        logging.config.dictConfig(log_config(server_args.log_format))
+    except (ValueError, OSError) as err:
+        return _startup_failed(err)
+    logging.config.dictConfig(log_config(server_args.log_format))
+    try:
         return serve(engine_args, server_args)
-    except (ValueError, OSError, StartupError) as exc:
-        print(f"pagedserve serve: error: {exc}", file=sys.stderr)
-        return 2
+    except StartupError as err:
+        return _startup_failed(err)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -133,10 +133,11 @@ async def create_completion(request: CompletionRequest,
     check_model(request.model, engine.model_name)
     request.check()
     prompts = _split_prompts(request.prompt, engine.tokenizer)
-    defaults = engine.engine_core.default_sampling_params
+    defaults = engine.default_sampling_params
     # As in vLLM: echo with logprobs asks for the prompt's logprobs, to echo them.
-    num_prompt_logprobs = request.logprobs if request.prompt_logprobs is None and request.echo else (
-        request.prompt_logprobs)
+    num_prompt_logprobs = request.prompt_logprobs
+    if num_prompt_logprobs is None and request.echo:
+        num_prompt_logprobs = request.logprobs
     with engine_errors():
         params = [request.to_sampling_params(
             resolve_max_tokens(request.max_tokens, len(p.token_ids), engine.max_model_len,

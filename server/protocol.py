@@ -180,7 +180,7 @@ class SamplingRequest(OpenAIBaseModel):
             logprobs: top logprobs per output token; None = no logprobs.
             prompt_logprobs: top logprobs per prompt token; None = none.
             defaults: the model's values for the fields the request leaves unset
-                (``EngineCore.default_sampling_params``); its ``max_tokens`` is the endpoint's business.
+                (``AsyncLLM.default_sampling_params``); its ``max_tokens`` is the endpoint's business.
 
         Raises:
             ValueError: a value out of range, naming the field.

@@ -509,7 +509,7 @@ def test_prompt_logprobs_in_vllm_shape_on_chat_and_completions(client: httpx.Cli
 
 
 def test_the_embedded_model_has_no_generation_config(served: Served) -> None:
-    assert served.engine.engine_core.default_sampling_params == {}
+    assert served.engine.default_sampling_params == {}
 
 
 def _tiny_chat_model(folder: Any, generation_config: dict[str, Any]) -> None:
@@ -569,7 +569,7 @@ def test_unset_sampling_fields_take_the_models_generation_config(
 
     untouched = serve_fresh_engine(model=str(tmp_path), generation_config="vllm", max_model_len=256,
                                    kv_cache_memory_bytes="8MiB")
-    assert untouched.engine.engine_core.default_sampling_params == {}
+    assert untouched.engine.default_sampling_params == {}
     with httpx.Client(base_url=untouched.url, timeout=120) as http:
         post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
 
