@@ -57,7 +57,18 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Writes this step's K/V into the paged cache and attends over it."""
+    """Writes this step's K/V into the paged cache and attends over it.
+
+    The model runner calls ``build_metadata`` once per step and hands its result
+    to every layer's ``forward``.
+    """
+
+    #: Whether a CUDA graph can capture ``forward`` (it must read no host values).
+    supports_cuda_graphs: bool = False
+
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        """The metadata ``forward`` reads for one step, from the runner's common layout (default: as is)."""
+        return common
 
     @abstractmethod
     def forward(

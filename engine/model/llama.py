@@ -159,7 +159,8 @@ class LlamaForCausalLM(CausalLM):
         if window is not None and window < config.max_position_embeddings:
             logger.warning("sliding-window attention (window %d) is not implemented: sequences longer "
                            "than %d tokens attend to their full context", window, window)
-        self.model = LlamaModel(config, flags, get_attention_backend(attn_backend))
+        self.attn_backend = get_attention_backend(attn_backend)
+        self.model = LlamaModel(config, flags, self.attn_backend)
         self.lm_head = (None if self.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, bias=False))
         qkv_rows = [n * self.head_dim for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
