@@ -1,8 +1,12 @@
-"""Engine configuration: one dataclass, validated at construction.
+"""Engine configuration: the user's ``EngineArgs``, and the resolved configs each part reads.
 
 Field names follow vLLM's engine arguments so that users can carry their
 flags over unchanged. Each field's ``metadata`` holds the help text and unit
 used by the CLI, the YAML loader and the README's configuration table.
+``EngineConfig`` (vLLM's ``VllmConfig``) bundles what is resolved once from
+them and the model: the frontend, the engine core and the workers all read it.
+
+This module imports no torch: the scheduler side imports it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,10 @@ class EngineArgs:
     kv_cache_memory_bytes: int | str | None = _arg(
         None, "KV cache size (e.g. 2GiB); empty = on CPU 2GiB or half the memory left after loading the weights "
         "(cgroup limit included) when that is less, on CUDA from gpu_memory_utilization", "bytes")
+    attention_backend: str = _arg(
+        "auto", "Paged attention implementation: auto = cpu on CPU, triton on CUDA; cpu = torch with a C decode "
+        "kernel (CPU only); triton = Triton kernels (CUDA only); torch = the plain torch reference (either)",
+        choices=("auto", "cpu", "torch", "triton"))
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
     max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
     generation_config: str = _arg(
@@ -96,6 +104,10 @@ class EngineArgs:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running request must be able to run one token per step.
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.long_prefill_token_threshold < 0:
@@ -131,3 +143,77 @@ class CacheConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model as the engine serves it, resolved once from ``EngineArgs``.
+
+    Attributes:
+        path: a local HF folder (a GGUF file is converted to one once, see ``engine.model.loader``).
+        served_model_name: the name clients use.
+        hf_config: the transformers ``PretrainedConfig``.
+        max_model_len: longest sequence, in tokens.
+        vocab_size: rows of the logits.
+        generation_defaults: ``SamplingParams`` field -> the model's default (``generation_config``).
+    """
+
+    path: str
+    served_model_name: str
+    hf_config: Any
+    max_model_len: int
+    vocab_size: int
+    generation_defaults: dict[str, Any]
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> ModelConfig:
+        """Find the model, convert a GGUF file once, read its config and generation defaults.
+
+        Raises:
+            ValueError: a model that cannot be found, or ``max_model_len`` beyond the model's positions.
+            OSError: model files that cannot be read, a cache that cannot be written.
+        """
+        # Imported here: they need torch and transformers, and the scheduler side imports this module.
+        from engine.generation_config import load_generation_defaults
+        from engine.model.loader import gguf_cache_folder, load_hf_config, resolve_model_path
+
+        source = gguf_cache_folder(resolve_model_path(args.model))
+        hf_config = load_hf_config(source)
+        return cls(path=source.path, served_model_name=args.served_model_name or source.display_name,
+                   hf_config=hf_config, max_model_len=_max_model_len(args.max_model_len, hf_config),
+                   vocab_size=hf_config.vocab_size,
+                   generation_defaults=load_generation_defaults(source.path, args.generation_config))
+
+
+def _max_model_len(requested: int | None, hf_config: Any) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if model_max is None:
+            raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+        return model_max
+    if model_max is not None and requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {model_max}")
+    return requested
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything resolved for one engine (vLLM's ``VllmConfig``).
+
+    ``cache_config.num_blocks`` is 0 until the engine core has measured the
+    memory its executor can give the KV cache (``EngineCore``).
+    """
+
+    args: EngineArgs
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> EngineConfig:
+        """Resolve ``args`` against the model (see ``ModelConfig.from_args`` for the errors)."""
+        model_config = ModelConfig.from_args(args)
+        return cls(args=args, model_config=model_config,
+                   scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
+                                                    model_config.max_model_len, args.long_prefill_token_threshold),
+                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching))

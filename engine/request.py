@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
 from engine.outputs import FinishReason
@@ -33,6 +34,25 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the frontend hands it to the engine core: validated, tokenized, ``n`` fanned out.
+
+    Attributes:
+        request_id: unique among live requests.
+        prompt_token_ids: the prompt, at least one token, ids in the vocabulary.
+        sampling_params: with ``n == 1`` and ``max_tokens`` resolved.
+        eos_token_id: the model's end-of-sequence token (None: no EOS stop).
+        arrival_time: wall-clock seconds (``time.time()``) the request arrived.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
 
 
 class Request:
@@ -77,6 +97,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.block_hashes: list[BlockHash] = []
         hash_new_full_blocks(self._all_token_ids, self.block_hashes, block_size)
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest, block_size: int) -> Request:
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+                   block_size, request.arrival_time)
 
     @property
     def num_tokens(self) -> int:

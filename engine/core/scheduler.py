@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
 
@@ -56,10 +57,14 @@ class Scheduler:
     Args:
         scheduler_config: budgets and limits.
         cache_config: KV cache size and prefix caching.
+        structured_output_manager: fills the allowed-token masks of constrained requests; None = no
+            request is constrained.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.config = scheduler_config
+        self.structured_output_manager = structured_output_manager
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -221,7 +226,6 @@ class Scheduler:
                 cached.resumed_req_ids.add(req_id)
             cached.new_block_ids.append(plan.new_block_ids[req_id] or None)
             cached.num_computed_tokens.append(request.num_computed_tokens)
-            cached.num_output_tokens.append(request.num_output_tokens)
             if resumed or req_id not in self._prev_step_scheduled:
                 cached.all_token_ids[req_id] = list(request.all_token_ids)
         new_reqs = [NewRequestData.from_request(r, plan.new_block_ids[r.request_id]) for r in plan.new_reqs]
@@ -245,6 +249,12 @@ class Scheduler:
         self.finished_req_ids = set()
         self._prev_step_scheduled = set(output.num_scheduled_tokens)
         self.num_scheduled_tokens += output.total_num_scheduled_tokens
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The allowed-token masks of the step's constrained requests; None when none is constrained."""
+        if self.structured_output_manager is None:
+            return None
+        return self.structured_output_manager.grammar_bitmask(self.requests, scheduler_output)
 
     # ------------------------------------------------------------------ results
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -41,7 +43,6 @@ class CachedRequestData:
             ``new_block_ids`` replace the block list instead of extending it.
         new_block_ids: blocks allocated this step (None when none).
         num_computed_tokens: position where each request's input starts.
-        num_output_tokens: output tokens each request has so far.
         all_token_ids: prompt + output of requests not scheduled in the
             previous step (resumed ones included), keyed by request id.
     """
@@ -50,7 +51,6 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    num_output_tokens: list[int] = field(default_factory=list)
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -70,8 +70,8 @@ class SchedulerOutput:
             a cleanup-only step that just carries ``finished_req_ids``.
         finished_req_ids: requests finished since the previous step: the worker drops their state.
         preempted_req_ids: requests preempted this step: the worker drops their rows.
-        new_block_ids_to_zero: freshly allocated blocks to zero before use
-            (None: the attention backends never read unwritten slots).
+        scheduled_spec_decode_tokens: request id -> draft tokens it runs after its
+            last token this step (speculative decoding); requests without drafts are absent.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -80,4 +80,18 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
-    new_block_ids_to_zero: list[int] | None = None
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class GrammarOutput:
+    """The allowed tokens of one step's constrained requests, for the sampler's mask op.
+
+    Attributes:
+        structured_output_request_ids: the constrained requests, in bitmask row order.
+        grammar_bitmask: ``[R, ceil(vocab_size / 32)]`` int32; bit j of word i set = token
+            ``32 * i + j`` allowed (xgrammar's and llguidance's packed layout).
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray

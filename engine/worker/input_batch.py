@@ -64,6 +64,8 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens_cpu = np.zeros(max_num_reqs, dtype=np.int64)
+        # Draft tokens each row runs this step, written after its num_tokens known tokens.
+        self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device, pin_memory)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
@@ -142,6 +144,15 @@ class InputBatch:
                       self.repetition_penalties):
             array[dst] = array[src]
         self.block_table.move_row(src, dst)
+
+    def set_draft_tokens(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Place this step's draft tokens after each row's known tokens (rows without drafts get none)."""
+        self.num_draft_tokens[:] = 0
+        for req_id, drafts in draft_token_ids.items():
+            row = self.req_id_to_index[req_id]
+            start = self.num_tokens[row]
+            self.token_ids_cpu[row, start:start + len(drafts)] = drafts
+            self.num_draft_tokens[row] = len(drafts)
 
     def append_sampled_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Record one sampled token per row, so the scheduler never sends it back."""

@@ -41,19 +41,6 @@ def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def num_blocks_for_memory(memory_bytes: int, bytes_per_block: int) -> int:
-    """Blocks that fit in ``memory_bytes``.
-
-    Raises:
-        ValueError: when fewer than 2 blocks fit (block 0 is reserved).
-    """
-    num_blocks = memory_bytes // bytes_per_block
-    if num_blocks < 2:
-        raise ValueError(f"KV cache memory of {memory_bytes} bytes holds {num_blocks} blocks of "
-                         f"{bytes_per_block} bytes; at least 2 are needed")
-    return int(num_blocks)
-
-
 def available_cuda_kv_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
     """Bytes left for the KV cache on a CUDA device after weights and activations.
 

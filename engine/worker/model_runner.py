@@ -1,6 +1,7 @@
 """The model runner: applies each ``SchedulerOutput`` to the persistent batch,
-builds the flattened inputs and runs the forward pass and the sampler
-(design section 4)."""
+builds the flattened inputs, runs the forward pass (``execute_model``) and
+then samples (``sample_tokens``), as two calls so that the step's grammar
+masks can be computed between them (design section 4)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.core.scheduler_output import SchedulerOutput
+from engine.config import EngineConfig
+from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.model.attention import AttentionMetadata
 from engine.model.cpu_threads import serial_elementwise
+from engine.model.registry import CausalLM
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
-from engine.worker.block_table import slot_mapping
+from engine.profiling import region
 from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sampler import Sampler, compute_logprobs_tensors
@@ -35,8 +38,9 @@ class StepInputs:
     Attributes:
         input_ids: ``[T]`` int64 token ids of every scheduled token, request after request.
         positions: ``[T]`` int64 position of each token in its sequence.
-        attn_metadata: paged-attention layout.
-        logits_indices: ``[S]`` index into the T tokens of each sampling request's last token.
+        attn_metadata: paged-attention layout, common to every backend.
+        logits_indices: ``[L]`` indices into the T tokens of the positions scored this step: each
+            sampling row's last token, or its last k + 1 for a row running k draft tokens.
         sample_rows: ``[S]`` batch rows that sample this step (their prefill is complete).
         num_scheduled_tokens: ``[num_reqs]`` tokens of each row this step.
     """
@@ -49,43 +53,53 @@ class StepInputs:
     num_scheduled_tokens: np.ndarray
 
 
+@dataclass
+class _PendingSample:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    logits: torch.Tensor       # [L, V] float32, rows as StepInputs.logits_indices
+    sample_rows: np.ndarray    # [S] batch rows that sample
+    output: ModelRunnerOutput  # the step's output, prompt logprobs filled, tokens to come
+
+
 class ModelRunner:
-    """Owns the persistent batch, the KV caches and the forward pass.
+    """Owns the persistent batch, the KV caches, the forward pass and sampling.
 
     Args:
+        config: the engine's resolved configuration (batch and sequence limits, block size, seed).
         model: a model from ``engine.model.loader.load_model``.
         kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
-        max_num_reqs: rows of the persistent batch (``max_num_seqs``).
-        max_model_len: longest sequence, in tokens.
-        max_num_batched_tokens: most tokens in one step.
-        block_size: tokens per KV block.
-        vocab_size: logits width.
         device: where the model runs.
-        seed: seeds the global generator used by unseeded random requests.
-        enforce_eager: on CUDA, never replay CUDA graphs.
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_num_reqs: int,
-                 max_model_len: int, max_num_batched_tokens: int, block_size: int, vocab_size: int,
-                 device: torch.device, seed: int = 0, enforce_eager: bool = False) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, kv_caches: list[torch.Tensor],
+                 device: torch.device) -> None:
+        scheduler_config = config.scheduler_config
+        max_num_reqs, max_model_len = scheduler_config.max_num_seqs, scheduler_config.max_model_len
+        block_size = config.cache_config.block_size
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.max_model_len = max_model_len
-        self.block_size = block_size
-        pin = device.type == "cuda"
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), block_size,
-                                      vocab_size, device, pin_memory=pin)
+                                      model.vocab_size, device, pin_memory=device.type == "cuda")
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.arange_np = np.arange(max(max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
-        torch.manual_seed(seed)
+        self.arange_np = np.arange(max(scheduler_config.max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
+        # What execute_model leaves for sample_tokens.
+        self._pending: _PendingSample | None = None
+        torch.manual_seed(config.args.seed)
         self.cuda_graphs: CudaGraphRunner | None = None
-        if device.type == "cuda" and not enforce_eager:
-            self.cuda_graphs = CudaGraphRunner(
-                lambda ids, pos, md: self.model(ids, pos, self.kv_caches, md), capture_sizes(max_num_reqs),
-                self.input_batch.block_table.block_table.shape[1], max_model_len, device)
-            self.cuda_graphs.capture()
+        if device.type == "cuda" and not config.args.enforce_eager:
+            if model.attn_backend.supports_cuda_graphs:
+                self.cuda_graphs = CudaGraphRunner(
+                    lambda ids, pos, md: self.model(ids, pos, self.kv_caches, model.attn_backend.build_metadata(md)),
+                    capture_sizes(max_num_reqs), self.input_batch.block_table.block_table.shape[1], max_model_len,
+                    device)
+                self.cuda_graphs.capture()
+            else:
+                logger.info("CUDA graphs are off: the %s attention backend cannot be captured",
+                            type(model.attn_backend).__name__)
 
     # ------------------------------------------------------------------ state
 
@@ -94,8 +108,10 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-        # Rows are kept only for requests scheduled this step (preempted ones
-        # included); the others keep their CachedRequestState and come back later.
+        # Preempted requests keep their CachedRequestState (generator included) and come
+        # back resumed; so do running requests the budget left out of this step.
+        for req_id in so.preempted_req_ids:
+            batch.remove_request(req_id)
         for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
             batch.remove_request(req_id)
 
@@ -133,6 +149,7 @@ class ModelRunner:
         for state in to_add:
             batch.add_request(state)
         batch.condense()
+        batch.set_draft_tokens(so.scheduled_spec_decode_tokens)
 
     # ------------------------------------------------------------------ inputs
 
@@ -154,13 +171,18 @@ class ModelRunner:
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         query_start_loc[1:] = cu_num_tokens
-        # Only requests whose every known token is computed after this step sample;
-        # a partial prefill chunk samples nothing.
-        sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[:num_reqs])
-        logits_indices = cu_num_tokens[sample_rows] - 1
+        # Only requests whose every known token (drafts included) is computed after this
+        # step sample; a partial prefill chunk samples nothing.
+        num_drafts = batch.num_draft_tokens[:num_reqs]
+        sample_rows = np.flatnonzero(seq_lens == batch.num_tokens[:num_reqs] + num_drafts)
+        # A request with k drafts is scored at its last k + 1 positions, in order.
+        num_scored = num_drafts[sample_rows] + 1
+        logits_indices = (np.repeat(cu_num_tokens[sample_rows] - num_scored, num_scored)
+                          + self.arange_np[:int(num_scored.sum())]
+                          - np.repeat(np.cumsum(num_scored) - num_scored, num_scored))
 
         to_device = self._to_device
-        metadata = AttentionMetadata(
+        common = AttentionMetadata(
             num_actual_tokens=total,
             query_start_loc=to_device(query_start_loc),
             seq_lens=to_device(seq_lens),
@@ -172,7 +194,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(input_ids=input_ids.to(self.device, non_blocking=True),
-                          positions=to_device(positions), attn_metadata=metadata,
+                          positions=to_device(positions), attn_metadata=common,
                           logits_indices=to_device(logits_indices), sample_rows=sample_rows,
                           num_scheduled_tokens=num_scheduled)
 
@@ -182,18 +204,22 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update state, forward all scheduled tokens, sample.
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's plan to the persistent batch and run the forward pass.
 
         Returns:
-            Sampled tokens per scheduled request (empty for partial prefills).
+            None when rows sample this step (their logits are kept for ``sample_tokens``);
+            otherwise the step's whole output (a cleanup step, or only partial prefills).
         """
-        self._update_states(so)
+        with region("model_runner.update_states"):
+            self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
-        inputs = self._prepare_inputs(so)
-        hidden_states = self._forward(inputs)
+        with region("model_runner.prepare_inputs"):
+            inputs = self._prepare_inputs(so)
+        with region("model_runner.forward"):
+            hidden_states = self._forward(inputs)
 
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
@@ -202,36 +228,63 @@ class ModelRunner:
         # CachedRequestState.num_computed_tokens is not advanced here: it is only read
         # when a row is (re)added, and _update_states sets it from the scheduler first.
         batch.num_computed_tokens_cpu[:num_reqs] = inputs.attn_metadata.seq_lens_cpu
-
-        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs: list[list[TokenLogprobs] | None] | None = None
-        sample_rows = inputs.sample_rows
-        if len(sample_rows):
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=[[] for _ in range(num_reqs)], prompt_logprobs=prompt_logprobs)
+        if not len(inputs.sample_rows):
+            return output
+        with region("model_runner.compute_logits"):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        self._pending = _PendingSample(logits, inputs.sample_rows, output)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """Sample the rows ``execute_model`` left logits for, within the step's grammar masks.
+
+        Returns:
+            The step's output: 1 token per sampling request, or 1..k+1 for one with k drafts.
+        """
+        pending, self._pending = self._pending, None
+        batch = self.input_batch
+        sample_rows = pending.sample_rows
+        output = pending.output
+        with region("model_runner.sample"):
             metadata = batch.make_sampling_metadata(sample_rows)
-            sampler_output = self.sampler(logits, metadata)
+            if grammar_output is not None:
+                metadata.allowed_token_bitmask, metadata.constrained_rows = self._bitmask_rows(
+                    grammar_output, sample_rows)
+            sampler_output = self.sampler(pending.logits, metadata)
             sampled = sampler_output.sampled_token_ids.tolist()
-            batch.append_sampled_tokens(sample_rows, sampled)
-            for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
-                sampled_token_ids[row] = [token_id]
-            if sampler_output.logprobs is not None:
-                asked = [batch.states[r].sampling_params.logprobs for r in sample_rows.tolist()]
-                logprobs = [None] * num_reqs
-                per_row = sampler_output.logprobs.to_lists(asked)
-                for row, entry in zip(sample_rows.tolist(), per_row, strict=True):
-                    logprobs[row] = None if entry is None else [entry]
-        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+        batch.append_sampled_tokens(sample_rows, sampled)
+        for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
+            output.sampled_token_ids[row] = [token_id]
+        if sampler_output.logprobs is not None:
+            asked = [batch.states[r].sampling_params.logprobs for r in sample_rows.tolist()]
+            output.logprobs = [None] * len(output.req_ids)
+            per_row = sampler_output.logprobs.to_lists(asked)
+            for row, entry in zip(sample_rows.tolist(), per_row, strict=True):
+                output.logprobs[row] = None if entry is None else [entry]
+        return output
+
+    def _bitmask_rows(self, grammar_output: GrammarOutput, sample_rows: np.ndarray
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The grammar's bitmask rows that sample this step, and their rows in the step's logits."""
+        logits_row = {self.input_batch.req_ids[row]: i for i, row in enumerate(sample_rows.tolist())}
+        keep = [(i, logits_row[r]) for i, r in enumerate(grammar_output.structured_output_request_ids)
+                if r in logits_row]
+        bitmask_index = [i for i, _ in keep]
+        bitmask = torch.from_numpy(grammar_output.grammar_bitmask[bitmask_index]).to(self.device)
+        return bitmask, torch.tensor([row for _, row in keep], dtype=torch.int64, device=self.device)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """``[T, hidden_size]``: a replayed CUDA graph for decode-only steps, else eager."""
-        metadata = inputs.attn_metadata
-        if self.cuda_graphs is not None and metadata.max_query_len == 1:
-            hidden_states = self.cuda_graphs.run(inputs.input_ids, inputs.positions, metadata.slot_mapping,
-                                                 metadata.seq_lens, metadata.block_table)
+        common = inputs.attn_metadata
+        if self.cuda_graphs is not None and common.max_query_len == 1:
+            hidden_states = self.cuda_graphs.run(inputs.input_ids, inputs.positions, common.slot_mapping,
+                                                 common.seq_lens, common.block_table)
             if hidden_states is not None:
                 return hidden_states
+        metadata = self.model.attn_backend.build_metadata(common)
         # See engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
         serial = self.device.type == "cpu" and len(inputs.input_ids) <= SERIAL_ELEMENTWISE_MAX_TOKENS
         with serial_elementwise(serial):
@@ -267,36 +320,3 @@ class ModelRunner:
             state.num_prompt_logprobs_done = max(last, 1)
             result[req_id] = entries
         return result
-
-@torch.inference_mode()
-def profile_forward(model: torch.nn.Module, num_tokens: int, num_seqs: int, max_model_len: int,
-                    block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Run the largest step the engine will ever run, so the allocator's peak includes activations.
-
-    ``num_tokens`` prompt tokens are split into up to ``num_seqs`` sequences of at
-    most ``max_model_len - 1`` tokens, against a throwaway KV cache just large
-    enough for them; logits are computed for ``num_seqs`` rows as the sampler would.
-    """
-    seq_len = max(1, min(max_model_len - 1, -(-num_tokens // num_seqs)))
-    query_lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-    blocks_per_seq = -(-seq_len // block_size)
-    num_blocks = blocks_per_seq * len(query_lens) + 1
-    kv_caches = [torch.zeros((2, num_blocks, block_size, model.num_kv_heads, model.head_dim), dtype=dtype,
-                             device=device) for _ in range(model.num_layers)]
-    query_lens_np = np.array(query_lens, dtype=np.int64)
-    req_indices = np.repeat(np.arange(len(query_lens)), query_lens_np)
-    cu = np.cumsum(query_lens_np)
-    positions = np.arange(num_tokens) - np.repeat(cu - query_lens_np, query_lens_np)
-    block_table = 1 + np.arange(len(query_lens) * blocks_per_seq, dtype=np.int32).reshape(len(query_lens), -1)
-    slots = slot_mapping(block_table, block_size, req_indices, positions)
-    query_start_loc = np.concatenate([[0], cu]).astype(np.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=num_tokens, query_start_loc=torch.from_numpy(query_start_loc).to(device),
-        seq_lens=torch.from_numpy(query_lens_np.astype(np.int32)).to(device),
-        block_table=torch.from_numpy(block_table).to(device), slot_mapping=torch.from_numpy(slots).to(device),
-        max_query_len=max(query_lens), max_seq_len=max(query_lens), query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=query_lens_np.astype(np.int32))
-    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    hidden_states = model(input_ids, torch.from_numpy(positions).to(device), kv_caches, metadata)
-    model.compute_logits(hidden_states[:num_seqs])
-    del kv_caches, hidden_states

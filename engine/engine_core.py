@@ -1,0 +1,115 @@
+"""``EngineCore``: the scheduler and an executor joined into one step function (design section 1).
+
+``step()`` is, as in vLLM V1: ``schedule()`` -> ``execute_model()`` (forward,
+logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
+``update_from_output()``. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
+applies new requests and aborts between steps. The core touches no device and
+no torch: the executor does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from engine.config import EngineConfig
+from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.executor.abstract import Executor
+from engine.executor.uniproc import UniProcExecutor
+from engine.outputs import EngineCoreOutput
+from engine.profiling import region
+from engine.request import EngineCoreRequest, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; sizes the KV cache between them.
+
+    Args:
+        config: the engine's resolved configuration (``EngineConfig.from_args``);
+            ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
+        executor_class: how to run the workers.
+
+    Raises:
+        ValueError: a setting the device cannot honour, or a KV cache that cannot hold one request of
+            ``max_model_len`` tokens.
+    """
+
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+        self.executor = executor_class(config)
+        num_blocks = self._num_kv_blocks(config)
+        self.executor.initialize_kv_cache(num_blocks)
+        self.config = dataclasses.replace(
+            config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        args, block_size = config.args, config.cache_config.block_size
+        bytes_per_block = self.executor.kv_cache_bytes_per_block()
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            memory = self.executor.determine_available_memory()
+            num_blocks = memory // bytes_per_block
+            if num_blocks < 2:
+                raise ValueError(f"KV cache memory of {memory} bytes holds {num_blocks} blocks of "
+                                 f"{bytes_per_block} bytes; at least 2 are needed")
+            _check_kv_cache_holds_one_request(num_blocks, bytes_per_block, block_size,
+                                              config.model_config.max_model_len)
+        max_model_len = config.model_config.max_model_len
+        logger.info("allocating the KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB), "
+                    "max %.1f requests of max_model_len", num_blocks - 1, block_size, (num_blocks - 1) * block_size,
+                    num_blocks * bytes_per_block / 2**20, (num_blocks - 1) * block_size / max_model_len)
+        return num_blocks
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the frontend has validated (``params.n`` is 1: the frontend fans out ``n``).
+
+        Raises:
+            ValueError: a request id already in use.
+        """
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.config.cache_config.block_size))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish requests now and free their blocks; unknown ids are ignored."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run, sample and account one step. Returns the requests' new tokens."""
+        if not self.scheduler.has_requests():
+            return []
+        with region("engine_core.step"):
+            with region("scheduler.schedule"):
+                scheduler_output = self.scheduler.schedule()
+            model_runner_output = self.executor.execute_model(scheduler_output)
+            if model_runner_output is None:
+                grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+                model_runner_output = self.executor.sample_tokens(grammar_output)
+            with region("scheduler.update_from_output"):
+                return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _check_kv_cache_holds_one_request(num_blocks: int, bytes_per_block: int, block_size: int,
+                                      max_model_len: int) -> None:
+    """Refuse a KV cache that cannot hold one request of ``max_model_len`` tokens, naming the
+    largest ``max_model_len`` it can hold (block 0 is the null block)."""
+    needed = -(-max_model_len // block_size)
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"the KV cache ({(num_blocks - 1) * bytes_per_block / 2**20:.0f} MiB, {num_blocks - 1} blocks) "
+            f"cannot hold one request of max_model_len {max_model_len} tokens, which needs "
+            f"{needed * bytes_per_block / 2**20:.0f} MiB; give it more memory (kv_cache_memory_bytes, "
+            f"gpu_memory_utilization, the container's memory limit) or set max_model_len to at most "
+            f"{(num_blocks - 1) * block_size}")
