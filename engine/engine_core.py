@@ -13,6 +13,7 @@ import dataclasses
 import logging
 
 from engine.config import EngineConfig
+from engine.core.draft_proposer import DraftProposer
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.executor.abstract import Executor
 from engine.executor.uniproc import UniProcExecutor
@@ -30,19 +31,21 @@ class EngineCore:
         config: the engine's resolved configuration (``EngineConfig.from_args``);
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
         executor_class: how to run the workers.
+        drafter: proposes draft tokens for speculative decoding; None = none.
 
     Raises:
         ValueError: a setting the device cannot honour, or a KV cache that cannot hold one request of
             ``max_model_len`` tokens.
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor,
+                 drafter: DraftProposer | None = None) -> None:
         self.executor = executor_class(config)
         num_blocks = self._num_kv_blocks(config)
         self.executor.initialize_kv_cache(num_blocks)
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config, drafter=drafter)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         args, block_size = config.args, config.cache_config.block_size

@@ -90,6 +90,8 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Draft tokens to verify in the next step (speculative decoding); not part of the sequence.
+        self.spec_token_ids: list[int] = []
         # Prompt tokens served from the prefix cache at first scheduling; -1 before.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -5,12 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore, resolve_device
+from engine.config import EngineArgs, EngineConfig
+from engine.engine_core import EngineCore
 from engine.model.loader import load_hf_config, load_model, resolve_model_path
+from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from engine.worker.model_runner import profile_forward
+from engine.worker.worker import profile_forward, resolve_device
 from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+
+
+def make_core(**engine_args) -> EngineCore:
+    return EngineCore(EngineConfig.from_args(EngineArgs(**engine_args)))
+
+
+def add(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    core.add_request(EngineCoreRequest(request_id, prompt, params, eos_token_id=None, arrival_time=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +38,23 @@ def test_auto_device_picks_cpu_without_cuda(tiny_folder):
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="no CUDA device"):
         resolve_device("cuda")
-    core = EngineCore(EngineArgs(model=tiny_folder, device="auto", max_model_len=128, kv_cache_memory_bytes="4MiB"))
-    assert core.device.type == "cpu" and core.model_runner.cuda_graphs is None
-    assert next(core.model_runner.model.parameters()).dtype == torch.float32
+    core = make_core(model=tiny_folder, device="auto", max_model_len=128, kv_cache_memory_bytes="4MiB")
+    worker = core.executor.worker
+    assert worker.device.type == "cpu" and worker.model_runner.cuda_graphs is None
+    assert next(worker.model_runner.model.parameters()).dtype == torch.float32
+
+
+def test_attention_backend_is_checked_against_the_device(tiny_folder):
+    assert make_core(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
+                     attention_backend="torch").executor.worker.attention_backend == "torch"
+    with pytest.raises(ValueError, match="attention_backend 'triton'.*cpu"):
+        make_core(model=tiny_folder, device="cpu", max_model_len=128, kv_cache_memory_bytes="4MiB",
+                  attention_backend="triton")
+
+
+def test_max_num_batched_tokens_below_max_num_seqs_is_refused_not_raised_silently():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs \(64\)"):
+        EngineArgs(max_num_batched_tokens=32, max_num_seqs=64)
 
 
 def test_profile_forward_runs_the_largest_step(tiny_folder):
@@ -42,20 +65,21 @@ def test_profile_forward_runs_the_largest_step(tiny_folder):
 
 
 def test_abort_is_applied_and_reported_in_a_cleanup_step(tiny_folder):
-    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB"))
+    core = make_core(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB")
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    core.add_request("a", [5, 6, 7, 8], params)
-    core.add_request("b", [9, 10, 11], params)
+    add(core, "a", [5, 6, 7, 8], params)
+    add(core, "b", [9, 10, 11], params)
     core.step()
     core.abort_requests(["a"])
     assert core.scheduler.kv_cache_manager.get_block_ids("a") == []
     outputs = core.step()
     assert {o.request_id for o in outputs} == {"b"}
-    assert "a" not in core.model_runner.requests
+    runner = core.executor.worker.model_runner
+    assert "a" not in runner.requests
     core.abort_requests(["b"])
     assert core.has_unfinished_requests()  # the worker still has to hear about "b"
     assert core.step() == []
-    assert not core.has_unfinished_requests() and core.model_runner.requests == {}
+    assert not core.has_unfinished_requests() and runner.requests == {}
     assert core.make_stats().kv_cache_usage == 0.0
 
 
@@ -109,9 +133,9 @@ def test_llm_generate_rejects_a_bad_prompt_without_queueing_the_others(tiny_fold
 
 def test_kv_cache_too_small_for_one_max_model_len_request_is_a_start_up_error(tiny_folder):
     """The tiny model keeps 2 x 2 layers x 2 KV heads x 16 x 4 bytes = 512 bytes per token: 64 KiB hold 128."""
-    EngineCore(EngineArgs(model=tiny_folder, max_model_len=112, kv_cache_memory_bytes="64KiB"))
+    make_core(model=tiny_folder, max_model_len=112, kv_cache_memory_bytes="64KiB")
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len 256 tokens.*at most 112"):
-        EngineCore(EngineArgs(model=tiny_folder, max_model_len=256, kv_cache_memory_bytes="64KiB"))
+        make_core(model=tiny_folder, max_model_len=256, kv_cache_memory_bytes="64KiB")
 
 
 def test_default_cpu_kv_cache_follows_available_memory(tiny_folder, monkeypatch):
@@ -120,5 +144,5 @@ def test_default_cpu_kv_cache_follows_available_memory(tiny_folder, monkeypatch)
     assert kv_cache.default_cpu_kv_cache_bytes(available=64 * 2**30) == 2 * 2**30
     assert kv_cache.default_cpu_kv_cache_bytes(available=2**30) == 2**29
     monkeypatch.setattr(kv_cache, "available_memory_bytes", lambda: 2**20)  # a container at its limit
-    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=128))
+    core = make_core(model=tiny_folder, max_model_len=128)
     assert (core.scheduler.kv_cache_manager.block_pool.num_blocks - 1) * 16 * 512 <= 2**19

@@ -1,97 +1,30 @@
-"""Sampler tests on synthetic logits: greedy, seeds, distributions, penalties, logprobs."""
+"""Sampler tests on synthetic logits: greedy, seeds, distributions, penalties, bitmasks, logprobs."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS
-from engine.worker import sampler as sampler_module
-from engine.worker.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_penalties_and_bias,
+from engine.worker import sample_ops
+from engine.worker.sample_ops import (
+    LOGITS_OPS,
+    apply_min_p,
+    apply_penalties,
+    apply_temperature,
     apply_top_k_top_p,
-    compute_logprobs_tensors,
+    process_logits,
+    unpack_token_bitmask,
 )
+from engine.worker.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
+from tests.sampling_fixtures import expected_distribution, make_metadata, pack_bitmask
 
 # Ten logits in no particular order, so that "most likely" is not "lowest id".
 SMALL_LOGITS = torch.tensor([0.5, 2.0, -0.7, 1.2, -2.0, 0.1, 1.5, -0.3, 0.8, -1.2])
-
-
-def _per_row(value: float | Sequence[float], batch_size: int, dtype: torch.dtype) -> torch.Tensor:
-    values = [value] * batch_size if isinstance(value, (int, float)) else list(value)
-    return torch.tensor(values, dtype=dtype)
-
-
-def make_metadata(
-    batch_size: int,
-    *,
-    temperature: float | Sequence[float] = 1.0,
-    top_k: int | Sequence[int] | None = None,
-    top_p: float | Sequence[float] | None = None,
-    min_p: float | Sequence[float] | None = None,
-    generators: dict[int, torch.Generator] | None = None,
-    presence: float | Sequence[float] = 0.0,
-    frequency: float | Sequence[float] = 0.0,
-    repetition: float | Sequence[float] = 1.0,
-    prompt_token_ids: list[list[int]] | None = None,
-    output_token_ids: list[list[int]] | None = None,
-    vocab_size: int = 10,
-    logit_bias: list[dict[int, float] | None] | None = None,
-    max_num_logprobs: int | None = None,
-) -> SamplingMetadata:
-    """Metadata as the model runner builds it, from scalars (all rows) or per-row values."""
-    temperatures = _per_row(temperature, batch_size, torch.float32)
-    presence_t = _per_row(presence, batch_size, torch.float32)
-    frequency_t = _per_row(frequency, batch_size, torch.float32)
-    repetition_t = _per_row(repetition, batch_size, torch.float32)
-    prompt = None
-    if prompt_token_ids is not None:
-        width = max(len(ids) for ids in prompt_token_ids)
-        prompt = torch.tensor([ids + [vocab_size] * (width - len(ids)) for ids in prompt_token_ids])
-    is_greedy = temperatures < GREEDY_TEMPERATURE_EPS
-    return SamplingMetadata(
-        temperature=temperatures,
-        all_greedy=bool(is_greedy.all()),
-        all_random=not bool(is_greedy.any()),
-        top_p=None if top_p is None else _per_row(top_p, batch_size, torch.float32),
-        top_k=None if top_k is None else _per_row(top_k, batch_size, torch.int64),
-        min_p=None if min_p is None else _per_row(min_p, batch_size, torch.float32),
-        generators=generators or {},
-        no_penalties=bool((presence_t == 0).all() and (frequency_t == 0).all() and (repetition_t == 1).all()),
-        presence_penalties=presence_t,
-        frequency_penalties=frequency_t,
-        repetition_penalties=repetition_t,
-        prompt_token_ids=prompt,
-        output_token_ids=output_token_ids or [[] for _ in range(batch_size)],
-        logit_bias=logit_bias,
-        max_num_logprobs=max_num_logprobs,
-    )
-
-
-def expected_distribution(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                          top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
-    """Reference: the filtered, renormalised distribution, one filter after the other."""
-    def normalise(p: np.ndarray) -> np.ndarray:
-        return p / p.sum()
-
-    probs = normalise(np.exp(logits.double().numpy() / temperature))
-    order = np.argsort(-probs)
-    if top_k:
-        probs[order[top_k:]] = 0.0
-        probs = normalise(probs)
-    mass_before = np.cumsum(probs[order]) - probs[order]
-    probs[order[mass_before >= top_p]] = 0.0
-    probs = normalise(probs)
-    probs[probs < min_p * probs.max()] = 0.0
-    return normalise(probs)
 
 
 def test_all_greedy_batch_takes_argmax():
@@ -191,13 +124,13 @@ def test_samples_follow_filtered_distribution(params: dict):
 def test_top_k_top_p_keep_the_same_tokens_whatever_the_candidate_count(
         monkeypatch: pytest.MonkeyPatch, num_candidates: int, use_top_p: bool):
     """The partial-top-k head and the full-sort fallback must keep exactly the reference sets."""
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", num_candidates)
+    monkeypatch.setattr(sample_ops, "TOP_P_CANDIDATES", num_candidates)
     logits = 2 * torch.randn(7, 20, generator=torch.Generator().manual_seed(7))
     top_k = [0, 3, 0, 10, 5, 0, 25]
     top_p = [0.9, 0.8, 1.0, 0.5, 1.0, 0.3, 0.95] if use_top_p else [1.0] * 7
     probs = logits.softmax(dim=-1)
-    filtered = apply_top_k_top_p(probs, torch.tensor(top_k),
-                                 torch.tensor(top_p) if use_top_p else None)
+    metadata = make_metadata(len(top_k), top_k=top_k, top_p=top_p if use_top_p else None, vocab_size=20)
+    filtered = apply_top_k_top_p(probs, metadata)
 
     for row in range(len(top_k)):
         kept = torch.from_numpy(expected_distribution(logits[row], top_k=top_k[row], top_p=top_p[row]) > 0)
@@ -210,7 +143,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     metadata = make_metadata(1, repetition=2.0, prompt_token_ids=[[0, 1]],
                              output_token_ids=[[2, 2, 3]], vocab_size=6)
     expected = torch.tensor([[1.0, -2.0, 0.25, -1.0, 3.0, 0.0]])
-    torch.testing.assert_close(apply_penalties_and_bias(logits, metadata), expected, rtol=0, atol=0)
+    torch.testing.assert_close(apply_penalties(logits, metadata), expected, rtol=0, atol=0)
 
 
 def test_frequency_and_presence_penalties_count_output_tokens_only():
@@ -221,7 +154,7 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
                              vocab_size=6)
     expected = torch.tensor([[2.0, -1.0 - 0.5 - 0.25, 0.5, -0.5, 3.0 - 3 * 0.5 - 0.25, 0.0],
                              [2.0, -1.0, 0.5, -0.5 + 0.25 - 1.0, 3.0, 0.0]])
-    torch.testing.assert_close(apply_penalties_and_bias(logits, metadata), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(apply_penalties(logits, metadata), expected, rtol=0, atol=1e-6)
 
 
 def test_penalties_combine_per_row():
@@ -231,7 +164,7 @@ def test_penalties_combine_per_row():
                              prompt_token_ids=[[4], [4]], output_token_ids=[[0, 0], [0]], vocab_size=6)
     expected = torch.tensor([[2.0 / 1.5 - 2 * 0.1 - 0.2, -1.0, 0.5, -0.5, 3.0 / 1.5, 0.0],
                              [2.0, -1.0, 0.5, -0.5, 3.0, 0.0]])
-    torch.testing.assert_close(apply_penalties_and_bias(logits, metadata), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(apply_penalties(logits, metadata), expected, rtol=0, atol=1e-6)
 
 
 def test_logit_bias_adds_exactly_before_penalties():
@@ -239,7 +172,7 @@ def test_logit_bias_adds_exactly_before_penalties():
     metadata = make_metadata(3, repetition=[1.0, 1.0, 2.0], output_token_ids=[[], [], [0]], vocab_size=3,
                              logit_bias=[{0: 1.5, 2: -100.0}, None, {0: -1.0}])
     expected = torch.tensor([[2.0, 1.0, -102.0], [0.5, 1.0, -2.0], [-1.0, 1.0, -2.0]])
-    torch.testing.assert_close(apply_penalties_and_bias(logits, metadata), expected, rtol=0, atol=0)
+    torch.testing.assert_close(process_logits(logits, metadata), expected, rtol=0, atol=0)
 
 
 def test_penalties_match_a_per_token_reference_on_random_batches():
@@ -261,18 +194,26 @@ def test_penalties_match_a_per_token_reference_on_random_batches():
             expected[row, token] = value / repetition[row] if value > 0 else value * repetition[row]
         for token, count in Counter(outputs[row]).items():
             expected[row, token] -= frequency[row] * count + presence[row]
-    torch.testing.assert_close(apply_penalties_and_bias(logits, metadata), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(apply_penalties(logits, metadata), expected, rtol=0, atol=1e-5)
 
 
 def test_logit_bias_rejects_token_ids_outside_vocab():
     metadata = make_metadata(1, logit_bias=[{10: 1.0}])
     with pytest.raises(ValueError, match="logit_bias"):
-        apply_penalties_and_bias(torch.zeros(1, 10), metadata)
+        process_logits(torch.zeros(1, 10), metadata)
 
 
-def test_no_bias_and_no_penalties_return_logits_untouched():
+@pytest.mark.parametrize("op", [*LOGITS_OPS, apply_top_k_top_p, apply_min_p])
+def test_an_op_no_row_uses_returns_its_input_itself(op):
+    values = torch.rand(2, 10)
+    assert op(values, make_metadata(2)) is values
+
+
+def test_temperature_is_skipped_when_every_row_is_greedy():
     logits = torch.randn(2, 10)
-    assert apply_penalties_and_bias(logits, make_metadata(2)) is logits
+    assert apply_temperature(logits, make_metadata(2, temperature=0.0)) is logits
+    torch.testing.assert_close(apply_temperature(logits, make_metadata(2, temperature=[0.0, 0.5])),
+                               torch.stack([logits[0], logits[1] / 0.5]))
 
 
 def test_logprobs_come_from_raw_logits():
@@ -364,19 +305,94 @@ def test_sampler_forward_speed_report():
               f"process CPU min {1e3 * min(cpu):.1f} ms")
 
 
-def test_dense_penalties_used_on_gpu_equal_the_sparse_ones():
-    """The GPU path (dense [B, V] counts, no host sync) must give the CPU path's logits."""
-    from engine.worker.sampler import _apply_penalties_dense_, _apply_penalties_sparse_
-
+def _penalties_bias_and_mask_metadata(device: torch.device) -> tuple[torch.Tensor, SamplingMetadata]:
+    """Six rows of V = 50 logits with penalties, bias and two constrained rows, on ``device``."""
     gen = torch.Generator().manual_seed(3)
     vocab, batch = 50, 6
     outputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (0, 1, 5, 17, 3, 40)]
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (4, 1, 9, 2, 30, 7)]
     metadata = make_metadata(batch, presence=[0.0, 0.5, -1.0, 1.5, 0.2, 2.0], frequency=[0.1, 0.0, 0.7, -0.3, 1.0, 0.4],
                              repetition=[1.0, 1.3, 0.8, 2.0, 1.1, 1.5], prompt_token_ids=prompts,
-                             output_token_ids=outputs, vocab_size=vocab)
-    logits = torch.randn(batch, vocab, generator=gen) * 3
-    sparse, dense = logits.clone(), logits.clone()
-    _apply_penalties_sparse_(sparse, metadata)
-    _apply_penalties_dense_(dense, metadata)
-    torch.testing.assert_close(dense, sparse)
+                             output_token_ids=outputs, vocab_size=vocab, logit_bias=[None, {3: 2.0}, None, None,
+                                                                                     {49: -1.0, 0: 0.5}, None],
+                             allowed_tokens={4: [0, 3, 31, 32, 49], 1: range(0, vocab, 3)})
+    for name in ("temperature", "presence_penalties", "frequency_penalties", "repetition_penalties",
+                 "prompt_token_ids", "allowed_token_bitmask", "constrained_rows"):
+        setattr(metadata, name, getattr(metadata, name).to(device))
+    return (torch.randn(batch, vocab, generator=gen) * 3).to(device), metadata
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logits_ops_on_cuda_equal_the_cpu_ones():
+    """One implementation serves both devices: the processed logits must agree."""
+    cpu_logits, cpu_metadata = _penalties_bias_and_mask_metadata(torch.device("cpu"))
+    cuda_logits, cuda_metadata = _penalties_bias_and_mask_metadata(torch.device("cuda"))
+    torch.testing.assert_close(process_logits(cuda_logits, cuda_metadata).cpu(),
+                               process_logits(cpu_logits, cpu_metadata))
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 64, 100, 129])
+def test_unpack_token_bitmask_matches_a_per_token_reference(vocab_size: int):
+    gen = torch.Generator().manual_seed(vocab_size)
+    allowed = (torch.rand(4, vocab_size, generator=gen) < 0.5)
+    allowed[0] = True  # every bit set, including the sign bit of each word
+    allowed[1] = False
+    packed = pack_bitmask([row.nonzero().squeeze(1).tolist() for row in allowed], vocab_size)
+    assert packed.shape == (4, -(-vocab_size // 32))
+    assert torch.equal(unpack_token_bitmask(packed, vocab_size), allowed)
+
+
+def test_unpack_token_bitmask_ignores_bits_past_the_vocabulary():
+    assert unpack_token_bitmask(torch.full((1, 1), -1, dtype=torch.int32), 5).tolist() == [[True] * 5]
+
+
+@pytest.mark.parametrize("bitmask", [torch.zeros(1, 3, dtype=torch.int32), torch.zeros(1, 5, dtype=torch.int32),
+                                     torch.zeros(1, 4, dtype=torch.int64)], ids=["narrow", "wide", "int64"])
+def test_malformed_bitmask_is_refused(bitmask: torch.Tensor):
+    metadata = make_metadata(2, vocab_size=100)
+    metadata.allowed_token_bitmask, metadata.constrained_rows = bitmask, torch.tensor([1])
+    with pytest.raises(ValueError, match="allowed_token_bitmask"):
+        Sampler()(torch.zeros(2, 100), metadata)
+
+
+def test_bitmask_without_matching_constrained_rows_is_refused():
+    metadata = make_metadata(2, vocab_size=40, allowed_tokens={0: [1], 1: [2]})
+    metadata.constrained_rows = torch.tensor([0])
+    with pytest.raises(ValueError, match="constrained_rows"):
+        Sampler()(torch.zeros(2, 40), metadata)
+
+
+def test_bitmask_disallowed_tokens_stay_out_whatever_bias_or_penalty():
+    logits = torch.tensor([[0.0, 1.0, -2.0, 3.0]])
+    metadata = make_metadata(1, vocab_size=4, allowed_tokens={0: [0, 2]}, logit_bias=[{1: 100.0, 2: 1.0}],
+                             repetition=0.5, presence=-5.0, output_token_ids=[[3, 3]])
+    expected = torch.tensor([[0.0, float("-inf"), -2.0 + 1.0, float("-inf")]])
+    torch.testing.assert_close(process_logits(logits, metadata), expected, rtol=0, atol=0)
+
+
+def test_constrained_rows_sample_only_allowed_tokens_and_free_rows_are_unchanged():
+    """Rows 1 (greedy), 3 (seeded) and 4 (unseeded) are constrained, row 5 to a single token.
+
+    V = 101 is not a multiple of 32, and V - 1 is one of the allowed tokens.
+    """
+    vocab_size, num_draws = 101, 200
+    allowed = [3, 40, 77, vocab_size - 1]
+    logits = 0.3 * torch.randn(6, vocab_size, generator=torch.Generator().manual_seed(11))
+    params = dict(batch_size=6, temperature=[0.0, 0.0, 1.0, 1.0, 1.5, 0.8], top_p=[1.0, 1.0, 0.9, 1.0, 1.0, 0.9],
+                  vocab_size=vocab_size, logit_bias=[None, None, {7: 2.0}, None, {allowed[1]: 1.0}, None])
+
+    def draw(allowed_tokens: dict[int, list[int]] | None) -> torch.Tensor:
+        generators = {row: torch.Generator().manual_seed(row) for row in (2, 3, 5)}
+        metadata = make_metadata(**params, generators=generators, allowed_tokens=allowed_tokens)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return torch.stack([Sampler()(logits, metadata).sampled_token_ids for _ in range(num_draws)])
+
+    free = draw(None)
+    constrained = draw({1: allowed, 3: allowed, 4: allowed, 5: [vocab_size - 1]})
+
+    assert torch.equal(constrained[:, [0, 2]], free[:, [0, 2]])
+    assert constrained[:, 1].eq(allowed[int(logits[1, allowed].argmax())]).all()
+    for row in (3, 4):
+        assert set(constrained[:, row].tolist()) == set(allowed), f"row {row}"
+    assert constrained[:, 5].eq(vocab_size - 1).all()

@@ -84,8 +84,9 @@ class KVCacheManager:
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         if not new_computed_blocks and num_required <= len(req_blocks):
             # Decode fast path (15 steps in 16): room in the last block, and no
-            # block became full, except when this very token fills one.
-            if self.enable_caching and (num_computed + num_new_tokens) % self.block_size == 0:
+            # block became full, except when these tokens filled one.
+            if (self.enable_caching and (num_computed + num_new_tokens) // self.block_size
+                    > self.num_cached_blocks.get(request.request_id, 0)):
                 self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
             return []
         new_computed_blocks = new_computed_blocks or []

@@ -8,6 +8,11 @@ request cannot get blocks, the latest-arrived running request is preempted
 by recompute (its blocks are freed and it is recomputed later from its
 tokens), as in vLLM V1 and Kwon et al. 2023 (PagedAttention, arXiv:2309.06180).
 
+Speculative decoding: a request's draft tokens (``Request.spec_token_ids``,
+from the drafter after each step) are scheduled after its last token like any
+other tokens; ``update_from_output`` keeps the accepted ones and rolls
+``num_computed_tokens`` back past the rejected ones.
+
 This package imports no torch.
 """
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.draft_proposer import DraftProposer
 from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -45,6 +51,7 @@ class _StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[str, int]
     new_block_ids: dict[str, list[int]]
+    spec_decode_tokens: dict[str, list[int]]
     new_reqs: list[Request]
     resumed_reqs: list[Request]
     running_reqs: list[Request]
@@ -59,12 +66,15 @@ class Scheduler:
         cache_config: KV cache size and prefix caching.
         structured_output_manager: fills the allowed-token masks of constrained requests; None = no
             request is constrained.
+        drafter: proposes draft tokens for decoding requests after each step; None = no speculation.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 drafter: DraftProposer | None = None) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
+        self.drafter = drafter
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -148,7 +158,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step. See the module docstring for the policy."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens, num_scheduled_tokens={},
-                         new_block_ids={}, new_reqs=[], resumed_reqs=[], running_reqs=[], preempted_reqs=[])
+                         new_block_ids={}, spec_decode_tokens={}, new_reqs=[], resumed_reqs=[], running_reqs=[],
+                         preempted_reqs=[])
         self._schedule_running(plan)
         # A step that had to preempt is short of blocks: admitting new work would thrash.
         if not plan.preempted_reqs:
@@ -158,7 +169,7 @@ class Scheduler:
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
+        num_new_tokens = request.num_tokens + len(request.spec_token_ids) - num_computed_tokens
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -180,6 +191,12 @@ class Scheduler:
             if new_blocks is None:
                 break
             plan.running_reqs.append(request)
+            if request.spec_token_ids:
+                # The budget may cut the drafts short; those left out are dropped.
+                num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+                if num_drafts > 0:
+                    plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
+                request.spec_token_ids = []
             plan.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
@@ -209,6 +226,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -238,6 +256,7 @@ class Scheduler:
             # starts a new one instead of clearing it.
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted_reqs},
+            scheduled_spec_decode_tokens=plan.spec_decode_tokens,
         )
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -274,8 +293,14 @@ class Scheduler:
             if request is None or req_id not in index_of:
                 continue  # aborted while the step ran
             index = index_of[req_id]
+            generated = model_runner_output.sampled_token_ids[index]
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and generated:
+                # The runner keeps the accepted drafts and one more token; the K/V of the
+                # rejected positions are recomputed from the next step on.
+                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
             new_token_ids = []
-            for token_id in model_runner_output.sampled_token_ids[index]:
+            for token_id in generated:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request, token_id):
@@ -293,7 +318,26 @@ class Scheduler:
                     new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time))
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
+        if self.drafter is not None:
+            self._propose_drafts()
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Ask the drafter for the next tokens of every decoding request, within its limits.
+
+        A request with ``num_output_tokens`` outputs and ``num_tokens`` tokens may run
+        ``k`` drafts when ``k + 1`` more outputs fit ``max_tokens`` and ``k`` more tokens
+        fit ``max_model_len``.
+        """
+        max_model_len = self.config.max_model_len
+        for request in self.running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling
+            max_tokens = request.sampling_params.max_tokens or max_model_len
+            num_drafts = min(self.drafter.num_speculative_tokens,
+                             max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+            if num_drafts > 0:
+                request.spec_token_ids = list(self.drafter.propose(request.all_token_ids)[:num_drafts])
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status on ``request`` if ``token_id`` ends it."""

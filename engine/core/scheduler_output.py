@@ -9,11 +9,13 @@ past it when ``schedule()`` returns.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler side imports neither torch nor numpy at run time
+    import numpy as np
 
 
 @dataclass
@@ -89,7 +91,7 @@ class GrammarOutput:
 
     Attributes:
         structured_output_request_ids: the constrained requests, in bitmask row order.
-        grammar_bitmask: ``[R, ceil(vocab_size / 32)]`` int32; bit j of word i set = token
+        grammar_bitmask: ``[R, ceil(vocab_size / 32)]`` int32 numpy array; bit j of word i set = token
             ``32 * i + j`` allowed (xgrammar's and llguidance's packed layout).
     """
 

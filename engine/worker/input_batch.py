@@ -154,16 +154,33 @@ class InputBatch:
             self.token_ids_cpu[row, start:start + len(drafts)] = drafts
             self.num_draft_tokens[row] = len(drafts)
 
-    def append_sampled_tokens(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """Record one sampled token per row, so the scheduler never sends it back."""
-        self.token_ids_cpu[rows, self.num_tokens[rows]] = token_ids
-        self.num_tokens[rows] += 1
-        for row, token_id in zip(rows.tolist(), token_ids, strict=True):
-            self.states[row].output_token_ids.append(token_id)
+    def append_sampled_tokens(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Record each row's new tokens (one, or accepted drafts and one more), so the scheduler never
+        sends them back."""
+        for row, tokens in zip(rows.tolist(), token_ids, strict=True):
+            start = self.num_tokens[row]
+            self.token_ids_cpu[row, start:start + len(tokens)] = tokens
+            self.num_tokens[row] += len(tokens)
+            self.states[row].output_token_ids.extend(tokens)
 
-    def make_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling inputs for ``rows`` (the rows that sample this step), in that order."""
+    def make_sampling_metadata(self, rows: np.ndarray, per_position: bool = False) -> SamplingMetadata:
+        """Sampling inputs for ``rows`` (the rows that sample this step), in that order.
+
+        Args:
+            rows: ``[S]`` batch rows.
+            per_position: one metadata row per scored position instead of per batch row: a row
+                running k draft tokens gets k + 1 rows, where position j's output so far ends with
+                drafts 0 .. j - 1 (so penalties see them). Its ``generators`` are then empty: the
+                rejection sampler takes them per request (``generators_by_request``).
+        """
         states = [self.states[r] for r in rows.tolist()]
+        output_token_ids = [s.output_token_ids for s in states]
+        if per_position:
+            output_token_ids = [output + drafts[:j] for output, drafts in zip(output_token_ids,
+                                                                               self.draft_token_ids(rows), strict=True)
+                                for j in range(len(drafts) + 1)]
+            rows = np.repeat(rows, self.num_draft_tokens[rows] + 1)
+            states = [self.states[r] for r in rows.tolist()]
         params = [s.sampling_params for s in states]
         greedy = [p.is_greedy for p in params]
         random_params = [p for p, g in zip(params, greedy, strict=True) if not g]
@@ -180,16 +197,28 @@ class InputBatch:
             top_p=column(self.top_p, any(p.top_p < 1.0 for p in random_params)),
             top_k=column(self.top_k, any(0 < p.top_k < self.vocab_size for p in random_params)),
             min_p=column(self.min_p, any(p.min_p > 0.0 for p in random_params)),
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            generators={} if per_position else {i: s.generator for i, s in enumerate(states)
+                                                 if s.generator is not None},
             no_penalties=no_penalties,
             presence_penalties=column(self.presence_penalties, True),
             frequency_penalties=column(self.frequency_penalties, True),
             repetition_penalties=column(self.repetition_penalties, True),
             prompt_token_ids=None if no_penalties else self._padded_prompt_token_ids(rows),
-            output_token_ids=[s.output_token_ids for s in states],
+            output_token_ids=output_token_ids,
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
             max_num_logprobs=max_num_logprobs,
         )
+
+    def draft_token_ids(self, rows: np.ndarray) -> list[list[int]]:
+        """Per row, the draft tokens it runs this step (``set_draft_tokens``)."""
+        return [self.token_ids_cpu[row, start:start + k].tolist()
+                for row, start, k in zip(rows.tolist(), self.num_tokens[rows].tolist(),
+                                         self.num_draft_tokens[rows].tolist(), strict=True)]
+
+    def generators_by_request(self, rows: np.ndarray) -> dict[int, torch.Generator]:
+        """Index into ``rows`` -> the generator of that row's seeded request."""
+        return {i: self.states[r].generator for i, r in enumerate(rows.tolist())
+                if self.states[r].generator is not None}
 
     def _padded_prompt_token_ids(self, rows: np.ndarray) -> torch.Tensor:
         """``[len(rows), max_prompt_len]`` int64 prompt ids, padded with ``vocab_size``."""

@@ -20,6 +20,7 @@ from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLo
 from engine.profiling import region
 from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.rejection_sampler import RejectionSampler
 from engine.worker.sampler import Sampler, compute_logprobs_tensors
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class ModelRunner:
                                       model.vocab_size, device, pin_memory=device.type == "cuda")
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
         self.arange_np = np.arange(max(scheduler_config.max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingSample | None = None
@@ -246,25 +248,54 @@ class ModelRunner:
         """
         pending, self._pending = self._pending, None
         batch = self.input_batch
-        sample_rows = pending.sample_rows
-        output = pending.output
+        sample_rows, output = pending.sample_rows, pending.output
+        rows = sample_rows.tolist()
         with region("model_runner.sample"):
-            metadata = batch.make_sampling_metadata(sample_rows)
-            if grammar_output is not None:
-                metadata.allowed_token_bitmask, metadata.constrained_rows = self._bitmask_rows(
-                    grammar_output, sample_rows)
-            sampler_output = self.sampler(pending.logits, metadata)
-            sampled = sampler_output.sampled_token_ids.tolist()
+            if batch.num_draft_tokens[sample_rows].any():
+                sampled, logprobs = self._verify_drafts(pending.logits, sample_rows, grammar_output)
+            else:
+                sampled, logprobs = self._sample(pending.logits, sample_rows, grammar_output)
         batch.append_sampled_tokens(sample_rows, sampled)
-        for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
-            output.sampled_token_ids[row] = [token_id]
-        if sampler_output.logprobs is not None:
-            asked = [batch.states[r].sampling_params.logprobs for r in sample_rows.tolist()]
+        for row, tokens in zip(rows, sampled, strict=True):
+            output.sampled_token_ids[row] = tokens
+        if logprobs is not None:
             output.logprobs = [None] * len(output.req_ids)
-            per_row = sampler_output.logprobs.to_lists(asked)
-            for row, entry in zip(sample_rows.tolist(), per_row, strict=True):
-                output.logprobs[row] = None if entry is None else [entry]
+            for row, entries in zip(rows, logprobs, strict=True):
+                output.logprobs[row] = entries
         return output
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput | None
+                ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """One token per row, and its logprobs when any row asks."""
+        batch = self.input_batch
+        metadata = batch.make_sampling_metadata(sample_rows)
+        if grammar_output is not None:
+            metadata.allowed_token_bitmask, metadata.constrained_rows = self._bitmask_rows(
+                grammar_output, sample_rows)
+        sampler_output = self.sampler(logits, metadata)
+        sampled = [[token_id] for token_id in sampler_output.sampled_token_ids.tolist()]
+        if sampler_output.logprobs is None:
+            return sampled, None
+        asked = [batch.states[r].sampling_params.logprobs for r in sample_rows.tolist()]
+        return sampled, [None if entry is None else [entry] for entry in sampler_output.logprobs.to_lists(asked)]
+
+    def _verify_drafts(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput | None
+                       ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """1..k+1 tokens per row from its k drafts (the rejection sampler), and their logprobs when asked.
+
+        Raises:
+            ValueError: when a constrained request runs drafts (grammars advance one token per step).
+        """
+        batch = self.input_batch
+        if grammar_output is not None:
+            raise ValueError("draft tokens for requests with a grammar are not supported")
+        metadata = batch.make_sampling_metadata(sample_rows, per_position=True)
+        result = self.rejection_sampler(logits, metadata, batch.draft_token_ids(sample_rows),
+                                        batch.generators_by_request(sample_rows))
+        if result.logprobs is None:
+            return result.sampled_token_ids, None
+        asked = [batch.states[r].sampling_params.logprobs for r in sample_rows.tolist()]
+        return result.sampled_token_ids, result.logprobs_per_request(asked)
 
     def _bitmask_rows(self, grammar_output: GrammarOutput, sample_rows: np.ndarray
                       ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,81 @@
+"""The sampler's allowed-token mask, driven through the engine by a test-only grammar.
+
+The grammar allows a fixed set of tokens to the requests it constrains; the
+scheduler side hands its packed bitmask (``GrammarOutput``) to
+``sample_tokens`` between the forward pass and sampling, as a real
+structured-output manager will. Constrained rows, greedy and sampled, must
+only produce allowed tokens; free rows in the same batch must be unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.config import EngineArgs, EngineConfig
+from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.engine_core import EngineCore
+from engine.request import EngineCoreRequest, Request
+from engine.sampling_params import SamplingParams
+from tests.model_fixtures import tiny_hf_model
+
+VOCAB = 256
+ALLOWED = [3, 40, 77, 255]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama-mask")
+    tiny_hf_model("llama", folder, tie_word_embeddings=False)
+    return str(folder)
+
+
+class FixedTokensGrammar:
+    """Constrains the requests whose id starts with ``c`` to ``ALLOWED``."""
+
+    def __init__(self) -> None:
+        words = np.zeros(-(-VOCAB // 32), dtype=np.uint32)
+        for token in ALLOWED:
+            words[token // 32] |= np.uint32(1) << np.uint32(token % 32)
+        self.row = words.view(np.int32)
+        self.calls = 0
+
+    def grammar_bitmask(self, requests: dict[str, Request], scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        self.calls += 1
+        ids = [r for r in scheduler_output.num_scheduled_tokens if r.startswith("c")]
+        if not ids:
+            return None
+        return GrammarOutput(ids, np.stack([self.row] * len(ids)))
+
+
+def run(folder: str, params: dict[str, SamplingParams], grammar=None) -> dict[str, list[int]]:
+    core = EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128,
+                                                         kv_cache_memory_bytes="4MiB")))
+    core.scheduler.structured_output_manager = grammar
+    for i, (request_id, request_params) in enumerate(params.items()):
+        prompt = [(11 * i + k) % 250 + 3 for k in range(4 + 3 * i)]
+        core.add_request(EngineCoreRequest(request_id, prompt, request_params, eos_token_id=None, arrival_time=0.0))
+    outputs = {request_id: [] for request_id in params}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            outputs[output.request_id] += output.new_token_ids
+    return outputs
+
+
+def test_constrained_rows_only_sample_allowed_tokens_and_free_rows_are_unchanged(tiny_folder):
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = {"free-greedy": greedy, "c-greedy": greedy,
+              "free-sampled": SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1),
+              "c-sampled": SamplingParams(temperature=1.5, max_tokens=200, ignore_eos=True, seed=2),
+              "c-top-k": SamplingParams(temperature=1.0, top_k=5, max_tokens=16, ignore_eos=True, seed=3)}
+    grammar = FixedTokensGrammar()
+    constrained = run(tiny_folder, params, grammar)
+    free = run(tiny_folder, params)
+    assert grammar.calls > 0
+    for request_id in ("free-greedy", "free-sampled"):
+        assert constrained[request_id] == free[request_id]
+    for request_id in ("c-greedy", "c-sampled", "c-top-k"):
+        assert set(constrained[request_id]) <= set(ALLOWED)
+        assert not set(free[request_id]) <= set(ALLOWED)  # the mask, not the model, made them so
+    # Sampled at a high temperature over 200 tokens, the constrained row reaches every allowed token.
+    assert set(constrained["c-sampled"]) == set(ALLOWED)
