@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The issue-7 device check on an H100/H200 (under 6 minutes): greedy equivalence vs transformers,
-# the Triton attention kernel vs the torch reference, offline throughput and decode step time vs
-# the roofline on a random Llama-3.2-1B-shape model. Needs torch (CUDA), triton and transformers;
-# not fastapi, uvicorn or gguf. Results: gpu_check_<device>.json and .md under --out.
+# The device check on an H100/H200 (under 6 minutes): greedy parity with transformers on tiny models,
+# the Triton attention kernels vs the torch reference, offline throughput and decode step time and
+# breakdown vs the roofline on a random Llama-3.2-1B-shape model (benchmarks/gpu/). Needs torch (CUDA),
+# triton and transformers; not fastapi, uvicorn or gguf. Results: gpu_check_<device>.json and .md under --out.
 #
-#   benchmarks/gpu_check.sh [--sections a,b,c,d] [--quick] [--out benchmarks/results/]
+#   benchmarks/gpu_check.sh [--sections greedy_parity,attention_kernels,throughput,decode_steps] [--quick]
+#                           [--out benchmarks/results/]
 #   benchmarks/gpu_check.sh --device cpu --quick          # dry run without a GPU
 #
 # Python: $PYTHON if set, else the repo's .venv, else python3 -- the first whose torch imports

@@ -20,7 +20,8 @@ count in every phase (on a CPU shared with other work, fewer threads than cores
 keeps OpenMP threads from waiting on descheduled peers). The run prints a
 Markdown table and can write JSON. ``--profile`` adds a torch.profiler trace of
 a few decode steps of our engine with all ``--num-prompts`` requests decoding,
-and prints where the time of one step goes.
+and prints where the time of one step goes, by the regions the engine marks
+(``benchmarks.step_profile``).
 
     python -m benchmarks.throughput [--num-prompts 64 --input-len 64:512 --output-len 128]
         [--hf-sequential-prompts 8] [--hf-batch-size 64] [--threads N] [--profile] [--quick]
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import multiprocessing
 import os
@@ -48,8 +48,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.core_requests import CoreRequests
 from benchmarks.dataset import Tokenizer, parse_len_range, sample_requests
 from benchmarks.roofline import DTYPES, cpu_model, num_threads
+from benchmarks.step_profile import ATTENTION_ROW, STEP_REGION, profile_steps
 
 #: Goals of issue 3: ours / baseline at least this much.
 GOALS = {"batched": 1.0, "sequential": 5.0, "single_decode": 0.9}
@@ -59,21 +61,6 @@ WARMUP_PROMPTS = 2
 WARMUP_TOKENS = 4
 #: Engine steps run after every request has left prefill and before the profiler starts; also timed unprofiled.
 PROFILE_WARMUP_STEPS = 3
-#: Calls under ``EngineCore`` that the profile labels, as dotted attribute paths; none runs inside another.
-PROFILED_CALLS = (
-    "scheduler.schedule",
-    "model_runner._update_states",
-    "model_runner._prepare_inputs",
-    "model_runner._forward",
-    "model_runner.model.compute_logits",
-    "model_runner.sampler",
-    "scheduler.update_from_output",
-)
-#: The attention backend: one instance serves every layer, so labelling layer 0's labels them all.
-ATTENTION_CALL = "model_runner.model.model.layers.0.self_attn.backend.forward"
-ATTENTION_LABEL = "  of which attention, all layers (KV write + paged attention)"
-STEP_LABEL = "engine_core.step"
-UNLABELLED = "rest of the step (outside the calls above)"
 
 
 @dataclass(frozen=True)
@@ -254,14 +241,18 @@ def markdown_report(report: dict[str, Any]) -> str:
 
 
 def profile_report(profile: dict[str, Any]) -> str:
-    """Where one decode step's time goes: the labelled calls, then the top ops."""
-    step_ms = profile["breakdown_ms"][STEP_LABEL]
+    """Where one decode step's time goes: the engine's labelled regions, then the top ops."""
+    step_ms = profile["breakdown_ms"][STEP_REGION]
     lines = [f"Profile: {profile['steps']} decode steps, {profile['decoding_requests']} requests decoding; "
              f"unprofiled step {profile['step_ms']:.1f} ms, profiled {step_ms:.1f} ms.", "",
-             "| Call | ms / step | share of step |", "|---|---:|---:|"]
+             "| Region | ms / step | share of step |", "|---|---:|---:|"]
     lines += [f"| {label} | {ms:.2f} | {ms / step_ms:.0%} |" for label, ms in profile["breakdown_ms"].items()]
-    lines += ["", "Work outside torch ops (e.g. a C kernel called through ctypes) shows as self time of the labelled "
-              "call that runs it.", "", "Top ops by self CPU time:", "```", profile["top_ops"].rstrip(), "```"]
+    lines += [""]
+    if ATTENTION_ROW not in profile["breakdown_ms"]:
+        lines += ["No attention region was recorded: the backend marks none, or a replayed CUDA graph ran the "
+                  "forward without its per-layer Python.", ""]
+    lines += ["Work outside torch ops (e.g. a C kernel called through ctypes) shows as self time of the region "
+              "that runs it.", "", "Top ops by self CPU time:", "```", profile["top_ops"].rstrip(), "```"]
     return "\n".join(lines)
 
 
@@ -401,13 +392,11 @@ def engine_single_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     """Our single-request decode rate, timing each ``EngineCore.step()`` that yields the request's next token."""
     llm, load_s = _load_llm(cfg)
     llm.generate(prompts.warmup, _greedy(WARMUP_TOKENS), use_tqdm=False)
-    core = llm.engine_core
-    core.add_request("single", prompts.single, _greedy(cfg.output_len))
+    single = CoreRequests(llm, [prompts.single], _greedy(cfg.output_len), "single")
     token_times_s = []
     start = time.perf_counter()
-    while core.has_unfinished_requests():
-        new_tokens = sum(len(o.new_token_ids) for o in core.step())
-        token_times_s += [time.perf_counter()] * new_tokens
+    while llm.engine_core.has_unfinished_requests():
+        token_times_s += [time.perf_counter()] * single.step()
     return _single_result(start, token_times_s, load_s)
 
 
@@ -445,75 +434,20 @@ def hf_single_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     return _single_result(clock.times_s[0], clock.times_s[1:], load_s)
 
 
-def _labelled(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        with torch.profiler.record_function(label):
-            return fn(*args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def labelled_calls(root: object, paths: Sequence[str]) -> Iterator[None]:
-    """Run every call of ``root.<path>`` inside ``torch.profiler.record_function(path)`` while the block runs."""
-    patched = []
-    try:
-        for path in paths:
-            *owner_names, name = path.split(".")
-            owner = functools.reduce(getattr, owner_names, root)
-            patched.append((owner, name, getattr(owner, name), name in vars(owner)))
-            setattr(owner, name, _labelled(getattr(owner, name), path))
-        yield
-    finally:
-        for owner, name, original, own_attribute in reversed(patched):
-            if own_attribute:
-                setattr(owner, name, original)
-            else:
-                delattr(owner, name)  # the class's method shows through again
-
-
 def engine_profile_phase(cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
     """torch.profiler over ``profile_steps`` engine steps once every prompt has left prefill."""
     llm, _ = _load_llm(cfg)
-    core = llm.engine_core
     llm.generate(prompts.warmup, _greedy(WARMUP_TOKENS), use_tqdm=False)
-    generated = {f"profile-{i}": 0 for i in range(len(prompts.batch))}
-    for request_id, prompt in zip(generated, prompts.batch, strict=True):
-        core.add_request(request_id, prompt, _greedy(cfg.profile_max_tokens))
-
-    def step() -> int:
-        outputs = core.step()
-        for output in outputs:
-            generated[output.request_id] += len(output.new_token_ids)
-        return len(outputs)
-
-    while min(generated.values()) == 0:
-        step()
+    requests = CoreRequests(llm, prompts.batch, _greedy(cfg.profile_max_tokens), "profile")
+    requests.step_until_decoding()
     start = time.perf_counter()
     for _ in range(PROFILE_WARMUP_STEPS):
-        step()
+        requests.step()
     step_ms = (time.perf_counter() - start) / PROFILE_WARMUP_STEPS * 1e3
-    decoding = []
-    with labelled_calls(core, (*PROFILED_CALLS, ATTENTION_CALL)), torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-        for _ in range(cfg.profile_steps):
-            with torch.profiler.record_function(STEP_LABEL):
-                decoding.append(step())
-    averages = profiler.key_averages()
-    events = {e.key: e for e in averages}
-
-    def per_step_ms(label: str) -> float:
-        return events[label].cpu_time_total / cfg.profile_steps / 1e3
-
-    breakdown = {STEP_LABEL: per_step_ms(STEP_LABEL)}
-    for label in PROFILED_CALLS:
-        breakdown[label] = per_step_ms(label)
-        if label == "model_runner._forward":
-            breakdown[ATTENTION_LABEL] = per_step_ms(ATTENTION_CALL)
-    breakdown[UNLABELLED] = breakdown[STEP_LABEL] - sum(map(per_step_ms, PROFILED_CALLS))
-    return {"seconds": step_ms * PROFILE_WARMUP_STEPS / 1e3, "output_tokens": sum(decoding),
-            "steps": cfg.profile_steps, "decoding_requests": min(decoding), "step_ms": step_ms,
-            "breakdown_ms": breakdown, "top_ops": averages.table(sort_by="self_cpu_time_total", row_limit=20)}
+    profile = profile_steps(requests.step, cfg.profile_steps)
+    return {"seconds": step_ms * PROFILE_WARMUP_STEPS / 1e3, "output_tokens": sum(profile.sampled),
+            "steps": cfg.profile_steps, "decoding_requests": min(profile.sampled), "step_ms": step_ms,
+            "breakdown_ms": profile.breakdown_ms, "top_ops": profile.top_ops}
 
 
 PHASES: dict[str, Callable[[BenchConfig, Prompts], dict[str, Any]]] = {

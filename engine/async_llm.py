@@ -3,18 +3,23 @@
 ::
 
     event loop                                   engine thread
-    generate() -> check -> input queue  ───────►  drain inputs and aborts
+    InputProcessor.process() (tokenize, check)
+    generate() -> input queue  ─────────────────►  drain inputs and aborts
     per-request asyncio.Queue  ◄── call_soon_threadsafe ◄── EngineCore.step()
 
-The engine thread blocks on its input queue when idle (no busy loop) and
-drains every pending add / abort before each ``schedule()``. Detokenization
-and stop-string checks run on the event loop in the ``OutputProcessor``; a
-stop string found there aborts the request in the engine.
+Requests are checked once, by the ``InputProcessor`` on the event loop; the
+engine thread applies them as they come. It blocks on its input queue when
+idle (no busy loop) and drains every pending add / abort before each
+``schedule()``. Detokenization and stop-string checks run on the event loop in
+the ``OutputProcessor``; a stop string found there aborts the request in the
+engine.
 
-Every step also ships the scheduler's stats to the event loop, where the
-``RequestStatsTracker`` turns them and the outputs into ``IterationStats`` for
-the registered stat loggers (metrics, the periodic log line): the engine thread
-does no metrics work beyond a counter and a timestamp in the scheduler.
+Every step also ships the scheduler's stats to the event loop, with the
+number of requests the engine thread has applied so far: the frontend reads
+nothing inside the engine, and counts waiting requests from them. There the
+``RequestStatsTracker`` turns the stats and the outputs into ``IterationStats``
+for the registered stat loggers (metrics, the periodic log line): the engine
+thread does no metrics work beyond a counter and a timestamp in the scheduler.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore
+from engine.config import EngineArgs, EngineConfig
 from engine.core.scheduler import SchedulerStats
+from engine.engine_core import EngineCore
+from engine.input_processor import InputProcessor, ProcessedRequest
 from engine.metrics.loggers import StatLogger
 from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import EngineCoreOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.request import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +55,17 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting_requests`` allows."""
 
 
+class LoadedEngine(NamedTuple):
+    """What ``AsyncLLM.load`` builds before any event loop runs: ``AsyncLLM(*loaded, loop)`` starts it."""
+
+    engine_core: EngineCore
+    processor: InputProcessor
+
+
 @dataclass
 class _AddRequest:
-    request_id: str
+    request: EngineCoreRequest
     parent_request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
 
 
 @dataclass
@@ -69,20 +80,38 @@ class _Stop:
 class AsyncLLM:
     """Asynchronous generation over one ``EngineCore`` running on its own thread.
 
-    Create it with ``await AsyncLLM.create(args)`` inside a running event loop.
+    Create it with ``await AsyncLLM.create(args)`` inside a running event loop, or
+    with ``AsyncLLM(*AsyncLLM.load(args), loop)``.
+
+    Args:
+        engine_core: the loaded core; its thread is started here and owns it from now on.
+        processor: the input processor for ``engine_core.config``.
+        loop: the event loop that calls ``generate`` and receives the outputs.
+
+    Attributes:
+        processor: turns prompts into the ``ProcessedRequest`` s ``generate`` takes.
+        tokenizer, model_name, max_model_len: the served model's.
+        default_sampling_params: ``SamplingParams`` field -> the model's default (``generation_config``).
     """
 
-    def __init__(self, engine_core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine_core: EngineCore, processor: InputProcessor, loop: asyncio.AbstractEventLoop) -> None:
         self.engine_core = engine_core
-        self.args = engine_core.args
-        self.tokenizer = engine_core.tokenizer
-        self.model_name = engine_core.model_name
-        self.max_model_len = engine_core.max_model_len
-        self.default_sampling_params = engine_core.default_sampling_params
+        self.processor = processor
+        config = engine_core.config
+        self.tokenizer = processor.tokenizer
+        self.model_name = config.model_config.served_model_name
+        self.max_model_len = config.model_config.max_model_len
+        self.default_sampling_params = config.model_config.generation_defaults
+        self._max_waiting_requests = config.args.max_waiting_requests
         self.output_processor = OutputProcessor(self.tokenizer)
         self._loop = loop
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
+        # Engine-core requests put on the input queue (event loop), and applied by the engine thread (its own
+        # count, and the count it shipped with the latest stats): their difference is still queued.
+        self._num_submitted = 0
+        self._num_applied = 0
+        self._num_applied_at_stats = 0
         self._stats = engine_core.make_stats()
         self._request_stats = RequestStatsTracker(self._stats)
         self._stat_loggers: list[StatLogger] = []
@@ -95,19 +124,20 @@ class AsyncLLM:
     @classmethod
     async def create(cls, args: EngineArgs) -> AsyncLLM:
         """Load the model (in a worker thread, so the loop stays responsive) and start the engine thread."""
-        engine_core = await asyncio.to_thread(cls.load_core, args)
-        return cls(engine_core, asyncio.get_running_loop())
+        loaded = await asyncio.to_thread(cls.load, args)
+        return cls(*loaded, asyncio.get_running_loop())
 
     @staticmethod
-    def load_core(args: EngineArgs) -> EngineCore:
-        """Load the model and allocate the KV cache (blocking, seconds): the core for ``AsyncLLM(core, loop)``.
+    def load(args: EngineArgs) -> LoadedEngine:
+        """Load the model, allocate the KV cache and load the tokenizer (blocking, seconds).
 
         Raises:
             ValueError: a setting the model or the machine cannot honour (model not found, no CUDA,
                 a KV cache too small for ``max_model_len``), naming it.
-            OSError: model files that cannot be read, a cache that cannot be written.
+            OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
         """
-        return EngineCore(args)
+        engine_core = EngineCore(EngineConfig.from_args(args))
+        return LoadedEngine(engine_core, InputProcessor.from_config(engine_core.config))
 
     # ------------------------------------------------------------------ engine thread
 
@@ -126,8 +156,7 @@ class AsyncLLM:
                     if self._apply(item):
                         return
                 outputs = core.step()
-                self._stats = core.make_stats()
-                self._loop.call_soon_threadsafe(self._on_step, outputs, self._stats)
+                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
             logger.exception("engine thread died")
             self._error = exc
@@ -140,19 +169,22 @@ class AsyncLLM:
             return True
         if isinstance(item, _AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
-        else:
-            try:
-                self.engine_core.add_request(item.request_id, item.prompt_token_ids, item.params, item.arrival_time)
-            except ValueError as exc:
-                # generate() checks requests first, so this is a bug or a race; it
-                # must fail that request only, not the engine every client shares.
-                logger.exception("rejected request %s on the engine thread", item.request_id)
-                self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, exc)
+            return False
+        self._num_applied += 1
+        try:
+            self.engine_core.add_request(item.request)
+        except ValueError as exc:
+            # The processor checked the request and the output processor its id, so this is a bug or a
+            # race; it must fail that request only, not the engine every client shares.
+            logger.exception("rejected request %s on the engine thread", item.request.request_id)
+            self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, exc)
         return False
 
     # ------------------------------------------------------------------ event loop
 
-    def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
+    def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats, num_applied: int) -> None:
+        self._stats = scheduler_stats
+        self._num_applied_at_stats = num_applied
         try:
             self._process_step(outputs, scheduler_stats)
         except Exception as exc:
@@ -188,34 +220,41 @@ class AsyncLLM:
             stream.put_nowait(error)
         self._dead.set()
 
-    async def generate(self, prompt: str | None, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       request_id: str, output_kind: RequestOutputKind = RequestOutputKind.DELTA
-                       ) -> AsyncIterator[RequestOutput]:
+    def num_waiting_requests(self) -> int:
+        """Requests waiting for the engine: those the scheduler held at the latest stats, plus those
+        submitted and not applied as of those stats (``n`` completions count as ``n``). On the event loop."""
+        return self._stats.num_waiting_reqs + self._num_submitted - self._num_applied_at_stats
+
+    async def generate(self, request: ProcessedRequest, request_id: str,
+                       output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> AsyncIterator[RequestOutput]:
         """Run one request and yield its outputs as tokens arrive.
 
         ``n > 1`` runs as sibling requests that share the prompt's cached KV
         blocks; ``CompletionOutput.index`` tells them apart. Closing the
         iterator early (e.g. the client disconnected) aborts the request.
 
+        Args:
+            request: made by ``self.processor``, which checked it.
+            request_id: unique among the requests in progress.
+            output_kind: what each output carries.
+
         Raises:
-            ValueError: invalid request (see ``EngineCore.check_request``) or a request id in use.
+            ValueError: a request id in use.
             QueueFullError: too many requests waiting.
             EngineDeadError: the engine is not running.
         """
         self._raise_if_unavailable()
-        self.engine_core.check_request(prompt_token_ids, sampling_params)
-        # Reading the deque's length from this thread is atomic; the stats snapshot would lag a whole step.
-        if len(self.engine_core.scheduler.waiting) + self._inputs.qsize() >= self.args.max_waiting_requests:
-            raise QueueFullError(f"more than {self.args.max_waiting_requests} requests are waiting; retry later")
-        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, sampling_params,
-                                                     output_kind)
+        if self.num_waiting_requests() >= self._max_waiting_requests:
+            raise QueueFullError(f"more than {self._max_waiting_requests} requests are waiting; retry later")
+        children = self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids,
+                                                     request.sampling_params, output_kind)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._request_stats.add_request([child_id for child_id, _ in children], len(prompt_token_ids),
+        self._request_stats.add_request([child_id for child_id, _ in children], len(request.prompt_token_ids),
                                         time.monotonic())
-        arrival_time = time.time()
-        for child_id, child_params in children:
-            self._inputs.put(_AddRequest(child_id, request_id, prompt_token_ids, child_params, arrival_time))
+        for core_request in request.engine_core_requests(children, time.time()):
+            self._inputs.put(_AddRequest(core_request, request_id))
+        self._num_submitted += len(children)
         finished = False
         try:
             while not finished:
@@ -288,3 +327,5 @@ class AsyncLLM:
             self._streams[request_id].put_nowait(EngineDeadError("the server shut down"))
         self._inputs.put(_Stop())
         await asyncio.to_thread(self._thread.join, timeout_s)
+        if not self._thread.is_alive():  # a thread still stepping must keep its workers
+            self.engine_core.shutdown()

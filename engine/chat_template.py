@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 
-def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, Any]],
+def chat_prompt_token_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                           add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` rendered by the tokenizer's chat template.
 

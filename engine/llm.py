@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
-from engine.chat_template import chat_prompt_token_ids
-from engine.config import EngineArgs
-from engine.core.engine_core import EngineCore
+from engine.config import EngineArgs, EngineConfig
+from engine.engine_core import EngineCore
+from engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-
-PromptType = str | list[int]
 
 
 class LLM:
@@ -25,13 +24,18 @@ class LLM:
         model: local HF folder, ``.gguf`` file or hub id; None = the embedded SmolLM2.
         **engine_args: any ``EngineArgs`` field (``max_num_seqs``, ``block_size``, ...).
 
+    Attributes:
+        engine_core: the ``EngineCore`` it drives from the caller's thread.
+        processor: the ``InputProcessor`` every prompt goes through.
+
     Raises:
         ValueError / TypeError: on invalid engine arguments.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine_core = EngineCore(EngineArgs(model=model, **engine_args))
-        self.tokenizer = self.engine_core.tokenizer
+        self.engine_core = EngineCore(EngineConfig.from_args(EngineArgs(model=model, **engine_args)))
+        self.processor = InputProcessor.from_config(self.engine_core.config)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -41,7 +45,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation-config defaults (``generation_config``), as
         vLLM's ``LLM``: what ``generate`` and ``chat`` use when given no parameters."""
-        return SamplingParams(**self.engine_core.default_sampling_params)
+        return SamplingParams(**self.engine_core.config.model_config.generation_defaults)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -57,7 +61,9 @@ class LLM:
             One ``RequestOutput`` per prompt, in input order.
 
         Raises:
-            ValueError: on an invalid prompt (empty, too long) or parameter list length.
+            InvalidRequestError: a request the engine could never run (see ``InputProcessor.process``);
+                then no prompt is queued.
+            ValueError: as many sampling params as prompts are needed.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -65,28 +71,29 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        requests = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
         # Check every prompt before queueing any, so a bad one leaves nothing half-submitted.
-        for (_, token_ids), request_params in zip(requests, params_list, strict=True):
-            self.engine_core.check_request(token_ids, request_params)
-        request_ids = [self._add_request(text, token_ids, request_params)
-                       for (text, token_ids), request_params in zip(requests, params_list, strict=True)]
-        return self._run(request_ids, use_tqdm)
+        requests = [self.processor.process(prompt, request_params)
+                    for prompt, request_params in zip(prompts, params_list, strict=True)]
+        return self._run([self._add_request(request) for request in requests], use_tqdm)
 
-    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, using the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [chat_prompt_token_ids(self.tokenizer, c, add_generation_prompt) for c in conversations]
+        """Generate replies to one conversation or a list of them, using the model's chat template.
+
+        Raises:
+            InvalidRequestError: as ``generate``, and for a conversation the template cannot render.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.processor.render_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams) -> str:
+    def _add_request(self, request: ProcessedRequest) -> str:
         request_id = str(next(self._request_counter))
-        children = self.output_processor.add_request(request_id, text, token_ids, params,
-                                                     RequestOutputKind.FINAL_ONLY)
-        for child_id, child_params in children:
-            self.engine_core.add_request(child_id, token_ids, child_params)
+        children = self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids,
+                                                     request.sampling_params, RequestOutputKind.FINAL_ONLY)
+        for core_request in request.engine_core_requests(children, time.time()):
+            self.engine_core.add_request(core_request)
         return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -9,14 +9,13 @@ per-layer regions cost nothing in serving.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 
 _NOT_RECORDING = contextlib.nullcontext()
 
 
-def region(name: str) -> ContextManager[object]:
+def region(name: str) -> contextlib.AbstractContextManager[object]:
     """A ``torch.profiler.record_function(name)`` when a profiler records, else a no-op context."""
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(name)

@@ -70,15 +70,10 @@ class Request:
         eos_token_id: the model's end-of-sequence token (None: no EOS stop).
         block_size: KV block size in tokens, used for ``block_hashes``.
         arrival_time: wall-clock seconds (``time.time()``) the request arrived.
-
-    Raises:
-        ValueError: on an empty prompt.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, block_size: int, arrival_time: float | None = None) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
+
 #: Samplers treat temperatures below this as greedy (argmax) decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
@@ -37,7 +39,7 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
 
     Raises:
-        ValueError: on any value outside its range, naming the parameter.
+        InvalidRequestError: on any value outside its range; ``param`` names the field.
     """
 
     n: int = 1
@@ -74,7 +76,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         check(self.n >= 1, "n", ">= 1")
         check(self.temperature >= 0.0, "temperature", ">= 0")

@@ -15,17 +15,17 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, LoadedEngine
 from engine.config import EngineArgs, parse_size
 from server import __version__
-from server.chat import chat_prompt, create_chat_completion
+from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import (
     BodySizeLimitMiddleware,
@@ -34,14 +34,12 @@ from server.errors import (
     bad_request,
     check_model,
     check_token_ids,
+    engine_errors,
     model_not_found,
 )
 from server.logging_config import LOG_FORMATS
 from server.metrics import engine_stats
 from server.metrics import router as metrics_router
-
-if TYPE_CHECKING:
-    from engine.core.engine_core import EngineCore  # made by AsyncLLM.load_core; the server never builds one
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +50,7 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     check_fields,
+    conversation,
 )
 
 logger = logging.getLogger(__name__)
@@ -210,10 +209,11 @@ async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     check_fields(body)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.")
-    if body.messages is not None:
-        tokens = chat_prompt(body.messages, engine.tokenizer, body.add_generation_prompt)
-    else:
-        tokens = engine.tokenizer.encode(body.prompt)
+    with engine_errors():
+        if body.messages is not None:
+            tokens = engine.processor.render_chat(conversation(body.messages), body.add_generation_prompt)
+        else:
+            tokens = engine.processor.tokenize(body.prompt)
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
 
@@ -226,7 +226,7 @@ async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeRespo
 
 
 def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | None = None,
-              engine: AsyncLLM | None = None, engine_core: EngineCore | None = None,
+              engine: AsyncLLM | None = None, loaded: LoadedEngine | None = None,
               on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The OpenAI-compatible app.
 
@@ -237,23 +237,24 @@ def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | N
             log interval; None = ``ServerArgs()`` defaults.
         engine: an engine that is already running, served as is and left
             running at exit (its owner shuts it down).
-        engine_core: a loaded ``EngineCore`` to run at startup instead of
-            creating one from ``engine_args`` (the CLI loads it before the
-            server listens, so that start-up errors stop it at once).
+        loaded: an engine core and input processor (``AsyncLLM.load``) to
+            run at startup instead of loading them from ``engine_args`` (the
+            CLI loads them before the server listens, so that start-up errors
+            stop it at once).
         on_engine_death: called with the error, on the event loop, when the
             engine thread dies (the CLI stops the server, and the process exits
             non-zero so that an orchestrator restarts it).
 
     Raises:
-        ValueError: when more than one of ``engine_args``, ``engine`` and ``engine_core`` is given.
+        ValueError: when more than one of ``engine_args``, ``engine`` and ``loaded`` is given.
     """
-    if sum(given is not None for given in (engine_args, engine, engine_core)) > 1:
-        raise ValueError("give one of engine_args, engine and engine_core")
+    if sum(given is not None for given in (engine_args, engine, loaded)) > 1:
+        raise ValueError("give one of engine_args, engine and loaded")
     server_args = server_args or ServerArgs()
 
     async def create_engine() -> AsyncLLM:
-        if engine_core is not None:
-            return AsyncLLM(engine_core, asyncio.get_running_loop())
+        if loaded is not None:
+            return AsyncLLM(*loaded, asyncio.get_running_loop())
         return engine or await AsyncLLM.create(engine_args or EngineArgs())
 
     async def watch(running: AsyncLLM) -> None:

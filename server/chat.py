@@ -12,19 +12,16 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
-from jinja2 import TemplateError
 from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_llm import AsyncLLM
-from engine.chat_template import chat_prompt_token_ids
 from engine.output_processor import RequestOutputKind
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.errors import (
     bad_request,
     check_model,
     engine_errors,
-    resolve_max_tokens,
 )
 from server.protocol import (
     AssistantMessage,
@@ -33,33 +30,17 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProbs,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
+    conversation,
     openai_finish_reason,
     prompt_logprobs,
     sse_response,
     unix_time,
 )
-
-
-def chat_prompt(messages: list[ChatMessage], tokenizer: PreTrainedTokenizerBase,
-                add_generation_prompt: bool = True) -> list[int]:
-    """The prompt token ids of ``messages``, exactly as the tokenizer's ``apply_chat_template`` makes them.
-
-    Raises:
-        OpenAIError: 400 when there are no messages or the template refuses them.
-    """
-    if not messages:
-        raise bad_request("messages must not be empty", "messages")
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt)
-    except (ValueError, TemplateError) as exc:
-        raise bad_request(f"The chat template cannot render these messages: {exc}", "messages") from exc
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:
@@ -106,20 +87,19 @@ async def create_chat_completion(request: ChatCompletionRequest,
     """
     check_model(request.model, engine.model_name)
     _check_supported(request)
-    token_ids = chat_prompt(request.messages, engine.tokenizer, request.add_generation_prompt)
     # Errors name the field the client set: chat's names for SamplingParams' max_tokens and logprobs.
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     client_names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
     requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
-    defaults = engine.default_sampling_params
-    max_tokens = resolve_max_tokens(requested, len(token_ids), engine.max_model_len, max_tokens_param,
-                                    defaults.get("max_tokens"))
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     with engine_errors(client_names):
-        params = request.to_sampling_params(max_tokens, logprobs, request.prompt_logprobs, defaults)
+        token_ids = engine.processor.render_chat(conversation(request.messages), request.add_generation_prompt)
+        params = request.to_sampling_params(requested, logprobs, request.prompt_logprobs,
+                                            engine.default_sampling_params)
+        prompt = engine.processor.process(token_ids, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    outputs = engine.generate(None, token_ids, params, request_id, kind)
+    outputs = engine.generate(prompt, request_id, kind)
     stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n, client_names,
                          ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
                                              choices=[]))

@@ -180,7 +180,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """
     sock = _bind(server_args.host, server_args.port)
     try:
-        engine_core = AsyncLLM.load_core(engine_args)
+        loaded = AsyncLLM.load(engine_args)
     except (ValueError, OSError) as err:
         sock.close()
         raise StartupError(str(err)) from err
@@ -193,7 +193,7 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     # sse-starlette ends every stream as soon as uvicorn is told to exit; let them
     # finish instead, within uvicorn's graceful-shutdown timeout.
     AppStatus.disable_automatic_graceful_drain()
-    app = build_app(server_args=server_args, engine_core=engine_core, on_engine_death=stop_on_engine_death)
+    app = build_app(server_args=server_args, loaded=loaded, on_engine_death=stop_on_engine_death)
     # uvicorn applies the logging config at start-up; the CLI applied the same one before loading the model.
     server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=server_args.shutdown_timeout,
                                            log_config=log_config(server_args.log_format),

@@ -19,13 +19,13 @@ from sse_starlette import EventSourceResponse
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_llm import AsyncLLM
+from engine.input_processor import ProcessedRequest, PromptType
 from engine.output_processor import RequestOutputKind
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.errors import (
     bad_request,
     check_model,
     engine_errors,
-    resolve_max_tokens,
 )
 from server.protocol import (
     CompletionChoice,
@@ -41,14 +41,8 @@ from server.protocol import (
 )
 
 
-@dataclass
-class _Prompt:
-    text: str | None  # as the client sent it; None when sent as token ids
-    token_ids: list[int]
-
-
-def _split_prompts(prompt: PromptInput, tokenizer: PreTrainedTokenizerBase) -> list[_Prompt]:
-    """One ``_Prompt`` per prompt of the request, tokenized.
+def _split_prompts(prompt: PromptInput) -> list[PromptType]:
+    """The prompts of the request: one text or one list of token ids each.
 
     Raises:
         OpenAIError: 400 when the request holds no prompt.
@@ -56,8 +50,7 @@ def _split_prompts(prompt: PromptInput, tokenizer: PreTrainedTokenizerBase) -> l
     prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
     if not prompts:
         raise bad_request("prompt must not be empty", "prompt")
-    return [_Prompt(p, tokenizer.encode(p)) if isinstance(p, str) else _Prompt(None, list(p))
-            for p in prompts]
+    return prompts
 
 
 class _ChoiceBuilder:
@@ -67,7 +60,7 @@ class _ChoiceBuilder:
     ``logprobs``, the prompt's logprobs); ``text_offset`` runs on across pieces.
     """
 
-    def __init__(self, request: CompletionRequest, prompts: list[_Prompt], n: int,
+    def __init__(self, request: CompletionRequest, prompts: list[ProcessedRequest], n: int,
                  tokenizer: PreTrainedTokenizerBase) -> None:
         self.request = request
         self.prompts = prompts
@@ -90,10 +83,10 @@ class _ChoiceBuilder:
             self._next_offset[index] = 0
             if self.request.echo:
                 prompt = self.prompts[prompt_index]
-                prompt_text = self.tokenizer.decode(prompt.token_ids) if prompt.text is None else prompt.text
+                prompt_text = self.tokenizer.decode(prompt.prompt_token_ids) if prompt.prompt is None else prompt.prompt
                 text = prompt_text + text
                 echoed_logprobs = self._prompt_logprobs.get(prompt_index, [])  # empty when not asked for
-                tokens.extend(zip(prompt.token_ids, echoed_logprobs, strict=False))
+                tokens.extend(zip(prompt.prompt_token_ids, echoed_logprobs, strict=False))
         tokens.extend((lp.token_ids[0], lp) for lp in completion.logprobs or [])
         logprobs = None if self.request.logprobs is None else self._logprobs(index, tokens)
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
@@ -132,25 +125,23 @@ async def create_completion(request: CompletionRequest,
     """
     check_model(request.model, engine.model_name)
     request.check()
-    prompts = _split_prompts(request.prompt, engine.tokenizer)
-    defaults = engine.default_sampling_params
+    raw_prompts = _split_prompts(request.prompt)
     # As in vLLM: echo with logprobs asks for the prompt's logprobs, to echo them.
     num_prompt_logprobs = request.prompt_logprobs
     if num_prompt_logprobs is None and request.echo:
         num_prompt_logprobs = request.logprobs
     with engine_errors():
-        params = [request.to_sampling_params(
-            resolve_max_tokens(request.max_tokens, len(p.token_ids), engine.max_model_len,
-                               default=defaults.get("max_tokens")),
-            logprobs=request.logprobs, prompt_logprobs=num_prompt_logprobs, defaults=defaults)
-            for p in prompts]
+        params = request.to_sampling_params(request.max_tokens, logprobs=request.logprobs,
+                                            prompt_logprobs=num_prompt_logprobs,
+                                            defaults=engine.default_sampling_params)
+        # Every prompt is checked before any is queued.
+        prompts = [engine.processor.process(p, params) for p in raw_prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-    outputs = _merge([engine.generate(p.text, p.token_ids, sp, f"{request_id}-{i}", kind)
-                      for i, (p, sp) in enumerate(zip(prompts, params, strict=True))])
-    builder = _ChoiceBuilder(request, prompts, params[0].n, engine.tokenizer)
+    outputs = _merge([engine.generate(p, f"{request_id}-{i}", kind) for i, p in enumerate(prompts)])
+    builder = _ChoiceBuilder(request, prompts, params.n, engine.tokenizer)
     response = CompletionResponse(id=request_id, created=unix_time(), model=engine.model_name, choices=[])
-    num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if request.stream:
         chunks = _chunks(response, request.include_usage, num_prompt_tokens, builder, outputs)
         return await sse_response(chunks)

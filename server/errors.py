@@ -7,7 +7,6 @@ input is a 4xx naming the offending field, never a 500; engine failures are
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping
@@ -22,14 +21,11 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_llm import EngineDeadError, QueueFullError
-from engine.sampling_params import SamplingParams
+from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-#: A ``ValueError`` from ``SamplingParams`` / ``EngineCore`` starts with the parameter's name.
-_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt"}
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 
 
@@ -87,38 +83,6 @@ def check_model(requested: str | None, served: str) -> None:
         raise model_not_found(requested, served)
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
-                       param: str = "max_tokens", default: int | None = None) -> int:
-    """The output budget of a request: ``requested``, or all the context the prompt leaves.
-
-    Args:
-        requested: the client's ``max_tokens``; None = up to ``max_model_len``, and at most ``default``.
-        num_prompt_tokens: prompt length in tokens.
-        max_model_len: the engine's context length in tokens.
-        param: the field the client set ``requested`` in (``max_completion_tokens`` in chat).
-        default: the model's ``max_new_tokens``, capping a budget the client left open; None = no cap.
-
-    Raises:
-        OpenAIError: 400 when the prompt is empty or prompt + output exceeds ``max_model_len``
-            (in vLLM's words, giving both numbers).
-    """
-    if num_prompt_tokens == 0:
-        raise bad_request("The prompt is empty; it must contain at least one token.", "prompt")
-    if num_prompt_tokens >= max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                          f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
-                          "input messages.", "prompt")
-    if requested is None:
-        room = max_model_len - num_prompt_tokens
-        return room if default is None else min(room, default)
-    if requested > 0 and num_prompt_tokens + requested > max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                          f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-                          f"messages, {requested} in the completion). Please reduce the length of the "
-                          "messages or completion.", param)
-    return requested
-
-
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
     """Raises a 400 naming ``param`` when a token id is outside ``[0, vocab_size)``."""
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
@@ -130,12 +94,14 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
 def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[None]:
     """Translate what building or running a request raises into OpenAI errors.
 
-    ``ValueError`` (invalid sampling parameters, a prompt the engine refuses)
-    -> 400; ``QueueFullError`` -> 429; ``EngineDeadError`` -> 503.
+    ``InvalidRequestError`` (invalid sampling parameters, a prompt the engine
+    refuses) -> 400 naming its field; any other ``ValueError`` (a request id
+    in use) -> 400; ``QueueFullError`` -> 429; ``EngineDeadError`` -> 503.
 
     Args:
-        client_names: ``SamplingParams`` field -> the request field the client set it with, where
-            they differ (chat's ``top_logprobs`` is ``logprobs``), so that the error names the latter.
+        client_names: engine-side field (``InvalidRequestError.param``) -> the request field the client
+            set it with, where they differ (chat's ``top_logprobs`` is ``logprobs``), so that the error
+            names the latter.
     """
     try:
         yield
@@ -143,12 +109,11 @@ def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[Non
         raise OpenAIError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), code="queue_full") from exc
     except EngineDeadError as exc:
         raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
+    except InvalidRequestError as exc:
+        param = (client_names or {}).get(exc.param, exc.param)
+        raise bad_request(exc.message if param is None else exc.message_naming(param), param) from exc
     except ValueError as exc:
-        first_word, _, rest = str(exc).partition(" ")
-        if first_word not in _PARAM_NAMES:
-            raise bad_request(str(exc)) from exc
-        param = (client_names or {}).get(first_word, first_word)
-        raise bad_request(f"{param} {rest}", param) from exc
+        raise bad_request(str(exc)) from exc
 
 
 # --------------------------------------------------------------------------- handlers

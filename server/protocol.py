@@ -171,19 +171,20 @@ class SamplingRequest(OpenAIBaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                            defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's parameters for this request.
 
         Args:
-            max_tokens: most output tokens per completion, resolved by the endpoint.
+            max_tokens: most output tokens per completion, as the client set it; None = all the context
+                the prompt leaves, at most the model's default (the ``InputProcessor`` resolves it).
             logprobs: top logprobs per output token; None = no logprobs.
             prompt_logprobs: top logprobs per prompt token; None = none.
             defaults: the model's values for the fields the request leaves unset
-                (``AsyncLLM.default_sampling_params``); its ``max_tokens`` is the endpoint's business.
+                (``AsyncLLM.default_sampling_params``); its ``max_tokens`` is the ``InputProcessor``'s business.
 
         Raises:
-            ValueError: a value out of range, naming the field.
+            InvalidRequestError: a value out of range, naming the field.
         """
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         model_defaults = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
@@ -245,6 +246,11 @@ class ChatMessage(OpenAIBaseModel):
         if isinstance(self.content, list):
             return "\n".join(part.text or "" for part in self.content)
         return self.content or ""
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: ``{"role", "content"}`` with the content as text."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class ChatCompletionRequest(SamplingRequest):

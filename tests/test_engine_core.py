@@ -83,22 +83,6 @@ def test_abort_is_applied_and_reported_in_a_cleanup_step(tiny_folder):
     assert core.make_stats().kv_cache_usage == 0.0
 
 
-def test_check_request_rejects_what_could_never_run(tiny_folder):
-    core = EngineCore(EngineArgs(model=tiny_folder, max_model_len=64, kv_cache_memory_bytes="4MiB"))
-    with pytest.raises(ValueError, match="at least one token"):
-        core.check_request([], SamplingParams())
-    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 256\)"):
-        core.check_request([1, 256], SamplingParams())
-    with pytest.raises(ValueError, match="stop_token_ids token ids"):
-        core.check_request([1], SamplingParams(stop_token_ids=[300]))
-    with pytest.raises(ValueError, match="logit_bias token ids"):
-        core.check_request([1], SamplingParams(logit_bias={999: 1.0}))
-    with pytest.raises(ValueError, match="max_model_len"):
-        core.check_request(list(range(64)), SamplingParams())
-    with pytest.raises(ValueError, match="max_logprobs"):
-        core.check_request([1], SamplingParams(logprobs=21))
-
-
 def test_prompt_logprobs_are_reported_once_despite_preemption(tiny_folder):
     """Regression: a preempted request recomputes its prompt and used to report its logprobs again."""
     from engine import LLM
@@ -117,18 +101,6 @@ def test_prompt_logprobs_are_reported_once_despite_preemption(tiny_folder):
         for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
             assert got.token_ids == want.token_ids
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
-
-
-def test_llm_generate_rejects_a_bad_prompt_without_queueing_the_others(tiny_folder):
-    from engine import LLM
-
-    llm = LLM(tiny_folder, max_model_len=64, kv_cache_memory_bytes="4MiB")
-    params = SamplingParams(temperature=0.0, max_tokens=4)
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([[5, 6, 7], list(range(3, 80))], params, use_tqdm=False)
-    assert not llm.engine_core.has_unfinished_requests()
-    assert not llm.output_processor.has_unfinished_requests()
-    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
 def test_kv_cache_too_small_for_one_max_model_len_request_is_a_start_up_error(tiny_folder):

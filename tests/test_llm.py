@@ -119,7 +119,7 @@ def test_bfloat16_greedy_matches_transformers_bfloat16_up_to_near_ties(prompts, 
     bar: a prompt may diverge only where transformers' own top two logits are
     within ``GAP_TOLERANCE`` (a near-tie), as the GPU check judges it too.
     """
-    from benchmarks.gpu_check import compare_greedy, greedy_verdict
+    from benchmarks.gpu.greedy_parity import compare_greedy, greedy_verdict
 
     _, actual = run_llm(prompts, dtype="bfloat16", kv_cache_memory_bytes="256MiB")
     model = AutoModelForCausalLM.from_pretrained(embedded_folder, dtype=torch.bfloat16).eval()
@@ -182,3 +182,25 @@ def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path,
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     actual = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert actual == expected
+
+
+def test_invalid_requests_are_refused_naming_the_field_before_anything_is_queued():
+    from engine.errors import InvalidRequestError
+
+    llm = LLM(max_model_len=64, kv_cache_memory_bytes="16MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for prompts, request_params, param in [([[5, 6, 7], list(range(3, 80))], params, "prompt"),
+                                           (["Hi", ""], params, "prompt"),
+                                           ([[5, 6, 7]], SamplingParams(max_tokens=62), "max_tokens"),
+                                           ([[5, 6, 7]], SamplingParams(logprobs=21), "logprobs")]:
+        with pytest.raises(InvalidRequestError) as raised:
+            llm.generate(prompts, request_params, use_tqdm=False)
+        assert raised.value.param == param
+    with pytest.raises(InvalidRequestError) as raised:
+        llm.chat([[]], params, use_tqdm=False)  # one conversation, with no messages
+    assert raised.value.param == "messages"
+    assert not llm.engine_core.has_unfinished_requests() and not llm.output_processor.has_unfinished_requests()
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    # max_tokens None: all the room the prompt leaves.
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 61

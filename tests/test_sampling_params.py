@@ -1,10 +1,12 @@
-"""``SamplingParams`` validation: every bad value names its parameter and range."""
+"""``SamplingParams`` validation: every bad value names its parameter (in the message and as
+``InvalidRequestError.param``) and range."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import EngineArgs, parse_size
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 
 
@@ -26,14 +28,16 @@ from engine.sampling_params import SamplingParams
     ("stop_token_ids", [-1], "stop_token_ids must be"),
 ])
 def test_invalid_values_name_the_parameter(field, value, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")) as raised:
         SamplingParams(**{field: value})
+    assert isinstance(raised.value, ValueError) and raised.value.param == field
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
-    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+    with pytest.raises(InvalidRequestError, match="min_tokens must be <= max_tokens") as raised:
         SamplingParams(min_tokens=5, max_tokens=4)
+    assert raised.value.param == "min_tokens"
 
 
 def test_normalisation():

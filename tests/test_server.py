@@ -19,6 +19,7 @@ import pytest
 import server
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
+from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 from server.app import ServerArgs
 from server.cli import build_parser, main, resolve_settings
@@ -383,7 +384,7 @@ def test_bench_serve_subcommand_uses_the_benchmark_options() -> None:
 #: Runs ``python -m server`` with EngineCore.step raising from the second step: a fault inside the engine.
 _FAULTY_ENGINE = """
 import sys
-from engine.core.engine_core import EngineCore
+from engine.engine_core import EngineCore
 from server.cli import main
 step = EngineCore.step
 calls = []
@@ -542,13 +543,13 @@ def test_unset_sampling_fields_take_the_models_generation_config(
     assert f"overridden by the model's generation config: {expected}" in caplog.text
     seen: list[SamplingParams] = []  # what the engine was asked to run, latest last
     core = tiny.engine.engine_core
-    check_request = core.check_request
+    add_request = core.add_request
 
-    def recording_check_request(prompt_token_ids: list[int], params: SamplingParams) -> None:
-        seen.append(params)
-        check_request(prompt_token_ids, params)
+    def recording_add_request(request: EngineCoreRequest) -> None:
+        seen.append(request.sampling_params)
+        add_request(request)
 
-    monkeypatch.setattr(core, "check_request", recording_check_request)
+    monkeypatch.setattr(core, "add_request", recording_add_request)
     messages = [{"role": "user", "content": "Hi"}]
     with httpx.Client(base_url=tiny.url, timeout=120) as http:
         unset = post(http, "/v1/chat/completions", messages=messages, ignore_eos=True)

@@ -6,17 +6,26 @@ limit (429) and an engine that dies under load (503, no hang).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
+from engine.async_llm import AsyncLLM, QueueFullError
+from engine.config import CacheConfig, ModelConfig
+from engine.core.scheduler import SchedulerStats
+from engine.input_processor import InputProcessor
 from engine.model.loader import gguf_cache_folder, resolve_model_path
+from engine.request import EngineCoreRequest
+from engine.sampling_params import SamplingParams
 from server import protocol
 from server.app import ServerArgs
 from server.cli import main as cli_main
@@ -39,12 +48,15 @@ INVALID_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 50}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1.5]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1]}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
@@ -62,6 +74,7 @@ INVALID_REQUESTS = [
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     # Fields that would change the output and are not served: refused, naming the field.
     ("/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json"),
     ("/v1/chat/completions", {"messages": USER, "guided_choice": ["yes", "no"]}, 400, "guided_choice"),
@@ -319,6 +332,70 @@ def test_full_waiting_queue_gives_429(fragile: Served) -> None:
         assert waiting.result(timeout=120).status_code == 200
 
 
+class _GatedCore:
+    """An engine core that applies each request only once ``gate`` is set, and runs none: each stays waiting."""
+
+    def __init__(self, max_waiting_requests: int) -> None:
+        model_config = ModelConfig(path="unused", served_model_name="gated", hf_config=None, max_model_len=64,
+                                   vocab_size=49152, generation_defaults={})
+        self.config = SimpleNamespace(model_config=model_config,
+                                      args=SimpleNamespace(max_waiting_requests=max_waiting_requests))
+        self.gate = threading.Event()
+        self.requests: list[EngineCoreRequest] = []
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.gate.wait()
+        self.requests.append(request)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running_reqs=0, num_waiting_reqs=len(self.requests), kv_cache_usage=0.0,
+                              prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                              num_scheduled_tokens=0)
+
+    def step(self) -> list:
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return False  # nothing to step: the engine thread blocks on its input queue
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.requests = [r for r in self.requests if r.request_id not in request_ids]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_queued_requests_count_as_waiting_before_the_engine_applies_them() -> None:
+    """The frontend counts what it submitted and the engine thread has not applied yet (``n`` as ``n``),
+    without reading the scheduler's queue."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf_cache_folder(resolve_model_path(None)).path)
+
+    async def run() -> None:
+        core = _GatedCore(max_waiting_requests=3)
+        processor = InputProcessor(core.config.model_config, tokenizer, CacheConfig(64, 16), max_logprobs=20)
+        engine = AsyncLLM(core, processor, asyncio.get_running_loop())
+        started = []
+        for request_id, n in [("two", 2), ("one", 1)]:
+            outputs = engine.generate(processor.process([1, 2], SamplingParams(max_tokens=2, n=n)), request_id)
+            started.append(asyncio.ensure_future(anext(outputs)))
+            await asyncio.sleep(0.05)  # the request is queued; the engine thread waits at the gate
+        assert engine.num_waiting_requests() == 3 and engine.get_stats().num_waiting_reqs == 0
+        with pytest.raises(QueueFullError):
+            await anext(engine.generate(processor.process([1, 2], SamplingParams(max_tokens=2)), "refused"))
+        core.gate.set()
+        deadline = time.monotonic() + 10
+        while engine.get_stats().num_waiting_reqs != 3:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting_requests() == 3  # now all in the scheduler's count, none counted twice
+        for task in started:
+            task.cancel()
+        await asyncio.gather(*started, return_exceptions=True)
+        await engine.shutdown(timeout_s=1)
+
+    asyncio.run(run())
+
+
 def test_engine_failure_ends_in_flight_requests_with_errors(fragile: Served) -> None:
     running = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
     crashed = threading.Event()
@@ -333,7 +410,7 @@ def test_engine_failure_ends_in_flight_requests_with_errors(fragile: Served) -> 
             first = next(line for line in lines if line.startswith("data: "))
             waiting = post_in_background(pool, fragile.url, {"prompt": "Hi", "max_tokens": 2})
             wait_for_waiting_requests(fragile, 1)
-            fragile.engine.engine_core.model_runner.execute_model = broken_execute_model
+            fragile.engine.engine_core.executor.execute_model = broken_execute_model
             events = sse_payloads([first, *lines])
         assert crashed.is_set()
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"

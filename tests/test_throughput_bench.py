@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from benchmarks import throughput
+from benchmarks.step_profile import ATTENTION_ROW, PHASE_REGIONS, REST_ROW, STEP_REGION
 from benchmarks.throughput import (
     QUICK,
-    STEP_LABEL,
-    UNLABELLED,
     BenchConfig,
     comparisons,
     decode_tok_per_s,
@@ -102,27 +101,16 @@ def test_markdown_report_has_a_row_per_goal_and_phase() -> None:
 
 def test_profile_report_shares_are_of_the_step() -> None:
     profile = {"steps": 5, "decoding_requests": 64, "step_ms": 10.0, "top_ops": "table",
-               "breakdown_ms": {STEP_LABEL: 8.0, "model_runner._forward": 6.0, UNLABELLED: 2.0}}
+               "breakdown_ms": {STEP_REGION: 8.0, "model_runner.forward": 6.0, ATTENTION_ROW: 2.0, REST_ROW: 2.0}}
     text = profile_report(profile)
-    assert "| model_runner._forward | 6.00 | 75% |" in text and "table" in text
+    assert "| model_runner.forward | 6.00 | 75% |" in text and f"| {ATTENTION_ROW} | 2.00 | 25% |" in text
+    assert "table" in text and "No attention region" not in text
 
 
-def test_labelled_calls_wrap_and_restore() -> None:
-    class Inner:
-        def work(self) -> int:
-            return 3
-
-    class Root:
-        def __init__(self) -> None:
-            self.inner = Inner()
-            self.hook = lambda: 4
-
-    root = Root()
-    original_hook = root.hook
-    with throughput.labelled_calls(root, ["inner.work", "hook"]), torch.profiler.profile() as prof:
-        assert root.inner.work() == 3 and root.hook() == 4
-    assert {"inner.work", "hook"} <= {e.key for e in prof.key_averages()}
-    assert "work" not in vars(root.inner) and root.hook is original_hook
+def test_profile_report_says_when_no_attention_region_was_recorded() -> None:
+    profile = {"steps": 5, "decoding_requests": 64, "step_ms": 10.0, "top_ops": "table",
+               "breakdown_ms": {STEP_REGION: 8.0, "model_runner.forward": 6.0, REST_ROW: 2.0}}
+    assert "No attention region was recorded" in profile_report(profile)
 
 
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,6 +122,11 @@ def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert all(p["peak_rss_mib"] > 0 and p["torch_threads"] == 1 for p in report["phases"].values())
     engine = report["phases"]["engine"]
     assert engine["prefill_steps"] >= 1 and engine["decode_steps"] >= QUICK.output_len - 1
-    assert report["phases"]["engine_profile"]["decoding_requests"] == QUICK.num_prompts
+    profile = report["phases"]["engine_profile"]
+    assert profile["decoding_requests"] == QUICK.num_prompts
+    # Every region the engine marks was read, attention included (the CPU runs no CUDA graph).
+    assert list(profile["breakdown_ms"]) == [STEP_REGION, *PHASE_REGIONS[:4], ATTENTION_ROW, *PHASE_REGIONS[4:],
+                                             REST_ROW]
+    assert 0 < profile["breakdown_ms"][ATTENTION_ROW] < profile["breakdown_ms"]["model_runner.forward"]
     assert "Greedy outputs identical to transformers on 2 of 2" in " ".join(report["notes"])
     assert "| Measurement |" in capsys.readouterr().out

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.draft_proposer import DraftProposer
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -92,32 +92,15 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request.
 
+        The frontend's ``InputProcessor`` has checked that it fits ``max_model_len`` and the KV cache.
+
         Raises:
-            ValueError: when its id is taken, or when its prompt plus one
-                output token cannot fit in ``max_model_len`` or in the whole KV cache.
+            ValueError: when its id is taken.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
-
-    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise ``ValueError`` when a request of this size could never run.
-
-        The prompt plus one output token must fit in ``max_model_len``, and
-        the request's longest possible sequence in the whole KV cache
-        (otherwise it would be preempted forever).
-        """
-        max_model_len = self.config.max_model_len
-        if num_prompt_tokens >= max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, "
-                             "which leaves no room for output")
-        max_len = min(max_model_len, num_prompt_tokens + (max_tokens or max_model_len))
-        capacity = self.kv_cache_manager.num_usable_blocks * self.block_size
-        if max_len > capacity:
-            raise ValueError(f"a request of up to {max_len} tokens needs more KV cache than the engine has "
-                             f"({capacity} tokens)")
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
         """Finish requests from outside the step (aborts); their blocks are freed now.

@@ -1,0 +1,27 @@
+"""Errors the engine's frontend raises for a request it refuses."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never run as given: a value out of range, a prompt too long, ...
+
+    A ``ValueError``, so that callers of the offline API catch it as before.
+
+    Args:
+        message: what is wrong, for the user.
+        param: the field at fault, by its engine-side name (a ``SamplingParams`` field, ``prompt`` or
+            ``messages``); None when no single field is (the request as a whole does not fit).
+    """
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def message_naming(self, name: str) -> str:
+        """The message with its leading ``param`` (``"top_k must be >= 0"``) spelled ``name`` instead,
+        for a client that set the field under another name; other messages are returned as they are."""
+        if self.param is not None and self.message.startswith(f"{self.param} "):
+            return name + self.message[len(self.param):]
+        return self.message

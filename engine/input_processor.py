@@ -1,0 +1,163 @@
+"""The frontend's one way in: every request is tokenized and checked here, once (vLLM's ``InputProcessor``).
+
+``LLM`` and ``AsyncLLM`` (and so the server) turn each prompt (text, token
+ids, or chat messages rendered with the model's chat template) and its
+``SamplingParams`` into a ``ProcessedRequest`` here, before anything is queued:
+a request the engine could never run fails at once with an
+``InvalidRequestError`` naming the field at fault, and the engine core takes
+what it is given without checking it again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from engine.chat_template import chat_prompt_token_ids
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.errors import InvalidRequestError
+from engine.model.loader import ModelSource, load_tokenizer
+from engine.request import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+
+#: A prompt as text, or as token ids.
+PromptType = str | list[int]
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request the ``InputProcessor`` has tokenized and validated, before ``n`` is fanned out.
+
+    Attributes:
+        prompt: the prompt text as given; None when it was given as token ids or chat messages.
+        prompt_token_ids: at least one token, every id in the vocabulary.
+        sampling_params: with ``max_tokens`` resolved (never None).
+        eos_token_id: the model's end-of-sequence token (None: no EOS stop).
+    """
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+
+    def engine_core_requests(self, children: Sequence[tuple[str, SamplingParams]],
+                             arrival_time: float) -> list[EngineCoreRequest]:
+        """One engine-core request per child that ``OutputProcessor.add_request`` made of this request.
+
+        Args:
+            children: ``(request id, params with n == 1)`` per child.
+            arrival_time: wall-clock seconds (``time.time()``) the request arrived.
+        """
+        return [EngineCoreRequest(request_id, self.prompt_token_ids, params, self.eos_token_id, arrival_time)
+                for request_id, params in children]
+
+
+class InputProcessor:
+    """Tokenizes prompts, renders chat messages and checks requests against the engine's limits.
+
+    Loads nothing: ``from_config`` loads the tokenizer. Thread-safe (reads only immutable state).
+
+    Args:
+        model_config: the served model (context length, vocabulary, generation defaults).
+        tokenizer: the model's tokenizer.
+        cache_config: the KV cache as allocated (``num_blocks`` filled in by the engine core).
+        max_logprobs: the most logprobs a request may ask for, per token.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, cache_config: CacheConfig,
+                 max_logprobs: int) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        # Block 0 is the null block and holds no tokens.
+        self.kv_cache_tokens = (cache_config.num_blocks - 1) * cache_config.block_size
+        eos = tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else getattr(model_config.hf_config, "eos_token_id", None)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> InputProcessor:
+        """Load the model's tokenizer (blocking) and build the processor for an engine core's ``config``.
+
+        Raises:
+            OSError: tokenizer files that cannot be read.
+        """
+        model_config = config.model_config
+        tokenizer = load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
+        return cls(model_config, tokenizer, config.cache_config, config.args.max_logprobs)
+
+    def tokenize(self, prompt: PromptType) -> list[int]:
+        """The token ids of a text prompt (with the special tokens the tokenizer adds), or the ids given."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt token ids of chat messages, exactly as the tokenizer's ``apply_chat_template`` makes them.
+
+        Raises:
+            InvalidRequestError: (``messages``) no messages, or the template refuses them (or there is none).
+        """
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        try:
+            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt)
+        except (ValueError, TemplateError) as exc:
+            raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
+
+    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
+        """Tokenize ``prompt`` and check the request; ``max_tokens`` None becomes all the context the prompt
+        leaves, at most the model's default ``max_tokens`` (its ``generation_config``) if it has one.
+
+        Raises:
+            InvalidRequestError: naming the field at fault (``prompt``, ``max_tokens``, ``logprobs``, ...):
+                an empty prompt; a prompt of ``max_model_len`` tokens or more; prompt + ``max_tokens`` beyond
+                ``max_model_len``; token ids (prompt, ``stop_token_ids``, ``logit_bias``) outside the
+                vocabulary; more logprobs than ``max_logprobs``; ``min_tokens`` above the resolved
+                ``max_tokens``. With no field (None): a request that can outgrow the whole KV cache.
+        """
+        token_ids = self.tokenize(prompt)
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(token_ids), params.max_tokens))
+        self._check_token_ids(token_ids, params)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidRequestError(f"{name} must be <= {self.max_logprobs} (max_logprobs), got {value}", name)
+        max_len = len(token_ids) + params.max_tokens
+        if max_len > self.kv_cache_tokens:
+            # Otherwise it would be preempted forever once it had grown to fill the cache alone.
+            raise InvalidRequestError(f"a request of up to {max_len} tokens needs more KV cache than the engine "
+                                      f"has ({self.kv_cache_tokens} tokens)", None)
+        return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id)
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        """The output budget: ``requested``, or all the context the prompt leaves (capped by the model's default).
+
+        The texts are vLLM's, giving both numbers.
+        """
+        max_model_len = self.model_config.max_model_len
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("The prompt is empty; it must contain at least one token.", "prompt")
+        if num_prompt_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.", "prompt")
+        if requested is None:
+            room = max_model_len - num_prompt_tokens
+            default = self.model_config.generation_defaults.get("max_tokens")
+            return room if default is None else min(room, default)
+        if num_prompt_tokens + requested > max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the messages, {requested} in the "
+                "completion). Please reduce the length of the messages or completion.", "max_tokens")
+        return requested
+
+    def _check_token_ids(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        vocab_size = self.model_config.vocab_size
+        for name, token_ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", list(params.logit_bias or ()))):
+            if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
