@@ -4,8 +4,8 @@ The matmuls are the model's own GEMMs (every projection of every layer plus
 the LM head, all layers' weights allocated so they stream from memory as in a
 real forward pass) at 16, 128 and 512 token rows, in each dtype the engine can
 serve in (bf16 runs on the CPU's bf16 dot-product instructions where it has
-them, so its peak is its own), through the engine's own ``Linear`` (weights
-packed for oneDNN as the engine packs them). Bandwidth is a large tensor copy. Both use as
+them, so its peak is its own), through the engine's own linear layer and the
+linear method it picks (weights packed for oneDNN as the engine packs them). Bandwidth is a large tensor copy. Both use as
 many torch threads as this process may use cores.
 
     python -m benchmarks.roofline --result-json benchmarks/results/roofline.json
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model.layers import Linear, can_pack_weights
+from engine.model.linear import ColumnParallelLinear
+from engine.model.linear_methods import linear_method_for
+from engine.model.parallel import TensorParallel
 
 TOKEN_ROWS = (16, 128, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,12 +76,12 @@ def _best_time_s(fn: Callable[[], object], min_time_s: float, min_reps: int = 3)
     return min(times)
 
 
-def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> Linear:
-    """A random ``Linear`` running the GEMM kernel the engine runs (packed where the engine packs)."""
-    linear = Linear(in_features, out_features)
+def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> ColumnParallelLinear:
+    """A random linear layer running the GEMM kernel the engine runs (packed where the engine packs)."""
+    method = linear_method_for(torch.device("cpu"), dtype)
+    linear = ColumnParallelLinear(in_features, out_features, linear_method=method, tp=TensorParallel())
     linear.weight.data = torch.randn(out_features, in_features, dtype=dtype)
-    if can_pack_weights(torch.device("cpu"), dtype):
-        linear.pack()
+    method.process_weights_after_loading(linear)
     return linear
 
 
@@ -98,13 +100,13 @@ def measure_matmul_flops(shape: ModelShape = SMOLLM2_135M, token_rows: tuple[int
     torch.set_num_threads(num_threads())
     linears = [_linear(k, n, dtype) for _ in range(shape.num_layers) for k, n in shape.layer_gemms()]
     linears.append(_linear(shape.hidden_size, shape.vocab_size, dtype))
-    flops_per_row = sum(2 * linear.in_features * linear.out_features for linear in linears)
-    inputs = {k: {m: torch.randn(m, k, dtype=dtype) for m in token_rows} for k in {lin.in_features for lin in linears}}
+    flops_per_row = sum(2 * linear.input_size * linear.output_size for linear in linears)
+    inputs = {k: {m: torch.randn(m, k, dtype=dtype) for m in token_rows} for k in {lin.input_size for lin in linears}}
 
     def forward(m: int) -> None:
         with torch.inference_mode():
             for linear in linears:
-                linear(inputs[linear.in_features][m])
+                linear(inputs[linear.input_size][m])
 
     return {m: flops_per_row * m / _best_time_s(lambda m=m: forward(m), min_time_s) for m in token_rows}
 

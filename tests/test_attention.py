@@ -1,11 +1,17 @@
-"""The torch and CPU attention backends against a naive float64 reference written with plain loops."""
+"""The torch and CPU attention backends against a naive float64 reference written with plain loops; the
+backends' declared contracts (devices, CUDA graphs, metadata)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, get_attention_backend
+from engine.model.attention import (
+    AttentionMetadata,
+    attention_backends_for,
+    check_attention_backend,
+    get_attention_backend,
+)
 from tests.model_fixtures import build_metadata
 
 NUM_KV_HEADS = 2
@@ -61,6 +67,13 @@ def make_step(query_lens: list[int], context_lens: list[int], num_heads: int, bl
     return query, key, value, kv_cache, metadata, full_kv
 
 
+def run_backend(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                common: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One layer of one step, the way the model runner drives a backend: build the metadata, then forward."""
+    backend = get_attention_backend(name, kv_cache.shape[2])
+    return backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale)
+
+
 def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: list, scale: float
                         ) -> torch.Tensor:
     """Causal GQA attention, one request and one query token at a time, in float64."""
@@ -90,7 +103,7 @@ def test_backend_matches_reference(scenario: str, queries_per_kv: int, block_siz
         query_lens, context_lens, NUM_KV_HEADS * queries_per_kv, block_size)
     scale = HEAD_DIM ** -0.5
 
-    out = get_attention_backend(backend).forward(query, key, value, kv_cache, metadata, scale)
+    out = run_backend(backend, query, key, value, kv_cache, metadata, scale)
 
     expected = reference_attention(query, query_lens, full_kv, scale)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
@@ -113,7 +126,7 @@ def test_backend_in_bfloat16_matches_reference(scenario: str, queries_per_kv: in
         start += n
     scale = HEAD_DIM ** -0.5
 
-    out = get_attention_backend(backend).forward(query, key, value, kv_cache, metadata, scale)
+    out = run_backend(backend, query, key, value, kv_cache, metadata, scale)
 
     assert out.dtype == torch.bfloat16
     expected = reference_attention(query, query_lens, full_kv, scale)
@@ -123,19 +136,20 @@ def test_backend_in_bfloat16_matches_reference(scenario: str, queries_per_kv: in
 def test_step_keys_and_values_land_in_their_slots() -> None:
     query, key, value, kv_cache, metadata, _ = make_step([3, 1], [0, 20], NUM_KV_HEADS, 16)
 
-    get_attention_backend("torch").forward(query, key, value, kv_cache, metadata, 1.0)
+    run_backend("torch", query, key, value, kv_cache, metadata, 1.0)
 
     slots = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, metadata.slot_mapping]
     torch.testing.assert_close(slots, torch.stack([key, value]), rtol=0, atol=0)
 
 
-def test_one_backend_serves_every_layer_of_a_step() -> None:
-    """The step plan is cached per metadata object; each layer still reads its own cache."""
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_one_backend_serves_every_layer_of_a_step(backend_name: str) -> None:
+    """The step's metadata is built once; each layer still reads its own cache."""
     query_lens, context_lens = SCENARIOS["mixed"]
-    backend = get_attention_backend("torch")
+    backend = get_attention_backend(backend_name, 16)
     first = make_step(query_lens, context_lens, 4, 16, seed=1)
     second = make_step(query_lens, context_lens, 4, 16, seed=2)
-    metadata = first[4]  # same layout, so one metadata object serves both "layers"
+    metadata = backend.build_metadata(first[4])  # same layout, so one metadata object serves both "layers"
 
     for query, key, value, kv_cache, _, full_kv in (first, second):
         out = backend.forward(query, key, value, kv_cache, metadata, 0.25)
@@ -150,12 +164,55 @@ def test_padding_rows_past_the_actual_tokens_are_zero() -> None:
     pad = torch.zeros(2, *query.shape[1:])
     padded_kv = torch.zeros(2, *key.shape[1:])
 
-    out = get_attention_backend("torch").forward(torch.cat([query, pad]), torch.cat([key, padded_kv]),
-                                                 torch.cat([value, padded_kv]), kv_cache, metadata, 0.5)
+    out = run_backend("torch", torch.cat([query, pad]), torch.cat([key, padded_kv]), torch.cat([value, padded_kv]),
+                      kv_cache, metadata, 0.5)
 
     expected = reference_attention(query, query_lens, full_kv, 0.5)
     torch.testing.assert_close(out[:len(query)].double(), expected, rtol=1e-5, atol=1e-5)
     assert not out[len(query):].any()
+
+
+def test_torch_metadata_splits_decodes_from_prefill_chunks() -> None:
+    """``build_metadata`` plans the step once: decode rows and their blocks, one entry per prefill chunk."""
+    query_lens, context_lens = SCENARIOS["mixed"]  # decodes are requests 0, 2 and 4
+    common = make_step(query_lens, context_lens, 4, 16)[4]
+
+    metadata = get_attention_backend("torch", 16).build_metadata(common)
+
+    assert metadata.slot_mapping is common.slot_mapping and metadata.num_reqs == common.num_reqs
+    assert not metadata.all_decode
+    assert metadata.decodes.rows.tolist() == [0, 13, 19]
+    assert metadata.decodes.seq_lens.tolist() == [21, 48, 2]
+    assert metadata.decodes.blocks.numel() == 3 * 3  # padded to the longest decode: 48 tokens, 3 blocks each
+    assert [(c.start, c.end, c.blocks is None) for c in metadata.prefills] == [(1, 13, True), (14, 19, True)]
+
+
+def test_backend_refuses_a_cache_with_other_blocks_than_it_was_built_for() -> None:
+    query, key, value, kv_cache, metadata, _ = make_step([1, 1], [5, 20], NUM_KV_HEADS, 16)
+    backend = get_attention_backend("torch", 32)
+    with pytest.raises(ValueError, match="blocks of 16 tokens"):
+        backend.forward(query, key, value, kv_cache, backend.build_metadata(metadata), 1.0)
+
+
+def test_backends_declare_their_devices_and_cuda_graph_support() -> None:
+    from engine.model.cpu_attention import CpuAttentionBackend
+    from engine.model.torch_attention import TorchAttentionBackend
+    from engine.model.triton_attention import TritonAttentionBackend
+
+    assert {"cpu", "torch"} <= set(attention_backends_for("cpu"))
+    assert attention_backends_for(torch.device("cuda")) == ["torch", "triton"]
+    assert (TorchAttentionBackend.supports_cuda_graphs, CpuAttentionBackend.supports_cuda_graphs,
+            TritonAttentionBackend.supports_cuda_graphs) == (False, False, True)
+    check_attention_backend("cpu", "cpu")
+    check_attention_backend("torch", "cuda")
+    check_attention_backend("triton", "cuda")
+
+
+def test_a_backend_on_a_device_it_does_not_run_on_is_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"attention_backend 'cpu' does not run on cuda.*\['torch', 'triton'\]"):
+        check_attention_backend("cpu", "cuda")
+    with pytest.raises(ValueError, match=r"attention_backend 'flash' is unknown.*'cpu', .*'torch'"):
+        check_attention_backend("flash", "cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -44,9 +44,13 @@ def test_auto_device_picks_cpu_without_cuda(tiny_folder):
     assert next(worker.model_runner.model.parameters()).dtype == torch.float32
 
 
-def test_attention_backend_is_checked_against_the_device(tiny_folder):
+def test_attention_backend_is_checked_against_the_device(tiny_folder, monkeypatch):
+    from engine.model.triton_attention import TritonAttentionBackend
+
     assert make_core(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
                      attention_backend="torch").executor.worker.attention_backend == "torch"
+    # The tests run Triton on the CPU (TRITON_INTERPRET=1); outside them it is CUDA only.
+    monkeypatch.setattr(TritonAttentionBackend, "supported_devices", ("cuda",))
     with pytest.raises(ValueError, match="attention_backend 'triton'.*cpu"):
         make_core(model=tiny_folder, device="cpu", max_model_len=128, kv_cache_memory_bytes="4MiB",
                   attention_backend="triton")

@@ -73,7 +73,8 @@ def test_backend_decodes_through_torch_without_the_kernel(monkeypatch: pytest.Mo
     from tests.test_attention import NUM_KV_HEADS, make_step
 
     query, key, value, kv_cache, metadata, _ = make_step([1, 1], [5, 40], NUM_KV_HEADS * 3, 16)
-    backend = get_attention_backend("cpu")
+    backend = get_attention_backend("cpu", 16)
+    metadata = backend.build_metadata(metadata)
     with_kernel = backend.forward(query, key, value, kv_cache.clone(), metadata, 0.1)
     monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
     without_kernel = backend.forward(query, key, value, kv_cache.clone(), metadata, 0.1)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from engine.chat_template import chat_prompt_token_ids
-from engine.model.layers import Linear, can_pack_weights
+from engine.model.linear import ColumnParallelLinear
+from engine.model.linear_methods import OneDNNPackedLinearMethod, linear_method_for
 from engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
@@ -28,6 +29,7 @@ from engine.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM, supported_architectures
 from tests.model_fixtures import (
     TINY_ARCHITECTURES,
@@ -58,7 +60,7 @@ def greedy_generate(model: CausalLM, prompt: list[int], max_new_tokens: int, pre
     tokens, computed = list(prompt), 0
     while len(tokens) < total:
         step = len(tokens) - computed if prefill_chunk is None else min(prefill_chunk, len(tokens) - computed)
-        metadata = build_metadata([blocks], [computed], [step], BLOCK_SIZE)
+        metadata = model.attn_backend.build_metadata(build_metadata([blocks], [computed], [step], BLOCK_SIZE))
         positions = torch.from_numpy(step_positions([computed], [step]))
         hidden = model(torch.tensor(tokens[computed:computed + step]), positions, kv_caches, metadata)
         computed += step
@@ -74,7 +76,8 @@ def assert_prefill_logits_match(ours: CausalLM, theirs: torch.nn.Module, prompt:
     num_blocks = -(-len(ids) // BLOCK_SIZE)
     kv_caches = [torch.zeros(2, num_blocks + 1, BLOCK_SIZE, ours.num_kv_heads, ours.head_dim)
                  for _ in range(ours.num_layers)]
-    metadata = build_metadata([list(range(num_blocks, 0, -1))], [0], [len(ids)], BLOCK_SIZE)
+    metadata = ours.attn_backend.build_metadata(build_metadata([list(range(num_blocks, 0, -1))], [0], [len(ids)],
+                                                               BLOCK_SIZE))
     logits = ours.compute_logits(ours(ids, torch.arange(len(ids)), kv_caches, metadata))
     expected = theirs(ids[None]).logits[0]
     error = (logits - expected).abs().max() / expected.abs().max()
@@ -101,10 +104,16 @@ def test_smollm2_prefill_logits_match_transformers(smollm2) -> None:
     assert_prefill_logits_match(*smollm2)
 
 
+def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every module whose weight a linear method owns (projections and the LM head), by name."""
+    return [(name, m) for name, m in model.named_modules() if hasattr(m, "linear_method")]
+
+
 def test_cpu_load_packs_every_linear_weight_including_the_tied_head(smollm2) -> None:
     ours = smollm2[0]
-    linears = [m for m in ours.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    linears = [m for _, m in linear_layers(ours)]
+    assert linears and all(isinstance(m.linear_method, OneDNNPackedLinearMethod) for m in linears)
+    assert all(m.packed_weight is not None and m.weight is None for m in linears)
     assert ours.lm_head in linears  # SmolLM2 ties its head: a packed copy of the embedding table
     assert ours.model.embed_tokens.weight.layout == torch.strided
 
@@ -113,14 +122,15 @@ def test_cpu_load_packs_every_linear_weight_including_the_tied_head(smollm2) -> 
 @pytest.mark.parametrize("rows", [1, 16, 300])
 def test_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     """bf16 is bit-identical here; fp32 sums in another order, so it agrees to about 1e-6 relative."""
-    if not can_pack_weights(CPU, dtype):
+    method = linear_method_for(CPU, dtype)
+    if not isinstance(method, OneDNNPackedLinearMethod):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
     x = torch.randn(rows, 64, generator=gen).to(dtype)
-    linear = Linear(64, 96, bias=True)
+    linear = ColumnParallelLinear(64, 96, bias=True, linear_method=method, tp=TensorParallel())
     linear.weight.data, linear.bias.data = weight.clone(), bias.clone()
-    linear.pack()
+    method.process_weights_after_loading(linear)
     expected = F.linear(x, weight, bias)
     tolerance = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(linear(x), expected, **tolerance)
@@ -217,8 +227,8 @@ def test_gguf_cache_folder_holds_the_same_model(smollm2, tmp_path, monkeypatch):
     reloaded = load_model(cached, config, torch.float32, CPU)
     for (name, a), (_, b) in zip(ours.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    # Packed Linear weights are not in the state dict: compare them densely.
-    linears = [[(n, m) for n, m in model.named_modules() if isinstance(m, Linear)] for model in (ours, reloaded)]
+    # Packed linear weights are not in the state dict: compare them densely.
+    linears = [linear_layers(model) for model in (ours, reloaded)]
     for (name, a), (_, b) in zip(*linears, strict=True):
         assert torch.equal(a.packed_weight.to_dense(), b.packed_weight.to_dense()), name
     messages = [{"role": "user", "content": "Tell me a story about a brave dragon 🐉 in 中文."}]

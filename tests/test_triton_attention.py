@@ -128,7 +128,7 @@ def check_against_reference(query_lens: list[int], context_lens: list[int], **kw
     query, key, value, kv_cache, metadata = make_step(query_lens, context_lens, **kwargs)
     scale = query.shape[-1] ** -0.5
     expected_out, expected_cache = reference(query, key, value, kv_cache, metadata, scale)
-    out = TritonAttentionBackend().forward(query, key, value, kv_cache, metadata, scale)
+    out = TritonAttentionBackend(kv_cache.shape[2]).forward(query, key, value, kv_cache, metadata, scale)
     tol = TOLERANCE[query.dtype]
     assert out.dtype == query.dtype
     torch.testing.assert_close(out.double(), expected_out, atol=tol, rtol=tol)
@@ -136,7 +136,11 @@ def check_against_reference(query_lens: list[int], context_lens: list[int], **kw
 
 
 def test_registers_as_triton() -> None:
-    assert isinstance(get_attention_backend("triton"), TritonAttentionBackend)
+    backend = get_attention_backend("triton", 16)
+    assert isinstance(backend, TritonAttentionBackend)
+    assert backend.supports_cuda_graphs and "cuda" in backend.supported_devices
+    metadata = make_step([1], [3])[4]
+    assert backend.build_metadata(metadata) is metadata  # the kernels read the common layout
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3, 8])
@@ -176,7 +180,7 @@ def test_padded_rows_write_nothing_and_return_zeros() -> None:
     metadata.seq_lens[2] = 0
     metadata.seq_lens_cpu[2] = 0
     before = kv_cache.clone()
-    out = TritonAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.125)
+    out = TritonAttentionBackend(16).forward(query, key, value, kv_cache, metadata, 0.125)
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     flat_before, flat_after = before.view(2, -1, NUM_KV_HEADS, 64), kv_cache.view(2, -1, NUM_KV_HEADS, 64)
     unwritten = torch.ones(flat_before.shape[1], dtype=torch.bool)
@@ -191,7 +195,7 @@ def test_rows_past_num_actual_tokens_are_zeros_and_not_cached() -> None:
     # Two trailing rows outside the step, as in a batch padded to a fixed size.
     pad = torch.ones(2, *query.shape[1:])
     padded_kv = [torch.cat([t, pad[:, :NUM_KV_HEADS]]) for t in (key, value)]
-    out = TritonAttentionBackend().forward(torch.cat([query, pad]), *padded_kv, kv_cache, metadata, 0.125)
+    out = TritonAttentionBackend(16).forward(torch.cat([query, pad]), *padded_kv, kv_cache, metadata, 0.125)
     torch.testing.assert_close(out[:4].double(), expected_out, atol=2e-5, rtol=2e-5)
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
     torch.testing.assert_close(kv_cache, expected_cache, atol=0, rtol=0, equal_nan=True)
@@ -200,7 +204,7 @@ def test_rows_past_num_actual_tokens_are_zeros_and_not_cached() -> None:
 def test_rejects_head_count_not_a_multiple_of_kv_heads() -> None:
     query, key, value, kv_cache, metadata = make_step([2], [0])
     with pytest.raises(ValueError, match="num_heads"):
-        TritonAttentionBackend().forward(query[:, :1].expand(-1, 3, -1), key, value, kv_cache, metadata, 0.1)
+        TritonAttentionBackend(16).forward(query[:, :1].expand(-1, 3, -1), key, value, kv_cache, metadata, 0.1)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("engine.model.torch_attention") is None,
@@ -212,7 +216,8 @@ def test_matches_torch_backend() -> None:
     query, key, value, kv_cache, metadata = step
     kv_cache.nan_to_num_(0.0)  # stale slots: the reference backend may gather whole blocks
     torch_cache = kv_cache.clone()
-    out = TritonAttentionBackend().forward(query, key, value, kv_cache, metadata, 0.125)
-    expected = get_attention_backend("torch").forward(query, key, value, torch_cache, metadata, 0.125)
+    out = TritonAttentionBackend(16).forward(query, key, value, kv_cache, metadata, 0.125)
+    torch_backend = get_attention_backend("torch", 16)
+    expected = torch_backend.forward(query, key, value, torch_cache, torch_backend.build_metadata(metadata), 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(kv_cache, torch_cache, atol=0, rtol=0, equal_nan=True)

@@ -308,9 +308,8 @@ class Scheduler:
     def _propose_drafts(self) -> None:
         """Ask the drafter for the next tokens of every decoding request, within its limits.
 
-        A request with ``num_output_tokens`` outputs and ``num_tokens`` tokens may run
-        ``k`` drafts when ``k + 1`` more outputs fit ``max_tokens`` and ``k`` more tokens
-        fit ``max_model_len``.
+        A request may run ``k`` drafts when the ``k + 1`` tokens a step can then emit
+        fit both ``max_tokens`` and ``max_model_len``.
         """
         max_model_len = self.config.max_model_len
         for request in self.running:
@@ -318,7 +317,7 @@ class Scheduler:
                 continue  # still prefilling
             max_tokens = request.sampling_params.max_tokens or max_model_len
             num_drafts = min(self.drafter.num_speculative_tokens,
-                             max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+                             max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
             if num_drafts > 0:
                 request.spec_token_ids = list(self.drafter.propose(request.all_token_ids)[:num_drafts])
 

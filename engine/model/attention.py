@@ -5,7 +5,10 @@ The KV cache of one layer is a tensor of shape
 1 = values). Token ``t`` of a request lives in slot
 ``block_table[req, t // block_size] * block_size + t % block_size``.
 Backends register themselves by name (``register_backend``) so a CUDA kernel
-can replace the torch reference without touching the models.
+can replace the torch reference without touching the models. Each declares
+its contract: the devices it runs on, whether a CUDA graph can capture it,
+and the per-step metadata it reads (``build_metadata``, vLLM V1's split of
+common metadata and a backend's metadata builder).
 """
 
 from __future__ import annotations
@@ -60,14 +63,28 @@ class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache and attends over it.
 
     The model runner calls ``build_metadata`` once per step and hands its result
-    to every layer's ``forward``.
+    to every layer's ``forward``. One instance serves every layer of a model.
+
+    Args:
+        block_size: tokens per block of the KV caches ``forward`` will be given.
     """
 
-    #: Whether a CUDA graph can capture ``forward`` (it must read no host values).
+    #: Device types (``torch.device.type``) the backend runs on.
+    supported_devices: tuple[str, ...] = ()
+    #: Whether a CUDA graph can capture ``forward``: it reads no host values, and the metadata
+    #: ``build_metadata`` returns at capture time stays valid for every replay (views of the
+    #: runner's static buffers, nothing computed from their contents on the host).
     supports_cuda_graphs: bool = False
 
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
-        """The metadata ``forward`` reads for one step, from the runner's common layout (default: as is)."""
+        """The metadata ``forward`` reads for one step, from the runner's common layout (default: as is).
+
+        A backend that plans the step (splits decodes from prefill chunks,
+        precomputes masks) does it here, once, instead of in every layer.
+        """
         return common
 
     @abstractmethod
@@ -90,7 +107,7 @@ class AttentionBackend(ABC):
             query: ``[T, num_heads, head_dim]``.
             key, value: ``[T, num_kv_heads, head_dim]``, written at ``metadata.slot_mapping``.
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-            metadata: the step's layout.
+            metadata: the step's layout, as ``build_metadata`` returned it.
             scale: softmax scale, usually ``head_dim ** -0.5``.
 
         Returns:
@@ -99,8 +116,9 @@ class AttentionBackend(ABC):
         """
 
 
-_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
-# Built-in backends, imported on first use so that a CPU server never imports triton.
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+# Built-in backends, imported on first use; none imports triton until it is instantiated, so that
+# listing the backends never initialises triton (its TRITON_INTERPRET setting is read at import).
 _BUILTIN_MODULES = {"torch": "engine.model.torch_attention", "cpu": "engine.model.cpu_attention",
                     "triton": "engine.model.triton_attention"}
 
@@ -115,14 +133,45 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
     return wrap
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Instantiate the backend registered as ``name``.
+def _backend_classes() -> dict[str, type[AttentionBackend]]:
+    """Every registered backend by name, the built-in ones imported."""
+    for name, module in _BUILTIN_MODULES.items():
+        if name not in _BACKENDS:
+            importlib.import_module(module)
+    return _BACKENDS
+
+
+def attention_backends_for(device: torch.device | str) -> list[str]:
+    """Names of the backends that run on ``device``'s type, sorted."""
+    device_type = torch.device(device).type
+    return sorted(name for name, cls in _backend_classes().items() if device_type in cls.supported_devices)
+
+
+def check_attention_backend(name: str, device: torch.device | str) -> None:
+    """Check the ``attention_backend`` setting against the device the model runs on.
 
     Raises:
-        ValueError: when no backend has that name (or its dependencies, e.g. triton, are missing).
+        ValueError: when no backend is registered as ``name`` or it does not run
+            on ``device``; the message names the setting and lists the backends
+            that do.
     """
-    if name not in _BACKENDS and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name not in _BACKENDS:
+    valid = attention_backends_for(device)
+    if name not in valid:
+        device_type = torch.device(device).type
+        reason = "is unknown" if name not in _BACKENDS else f"does not run on {device_type}"
+        raise ValueError(f"attention_backend {name!r} {reason}; backends for {device_type}: {valid}")
+
+
+def get_attention_backend(name: str, block_size: int) -> AttentionBackend:
+    """Instantiate the backend registered as ``name`` for KV caches of ``block_size``-token blocks.
+
+    Raises:
+        ValueError: when no backend has that name, or its dependencies (e.g. triton) are missing.
+    """
+    cls = _backend_classes().get(name)
+    if cls is None:
         raise ValueError(f"attention backend {name!r} is not available; registered: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]()
+    try:
+        return cls(block_size)
+    except ImportError as err:
+        raise ValueError(f"attention backend {name!r} is not available: {err}") from err

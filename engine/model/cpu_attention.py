@@ -1,4 +1,4 @@
-"""The CPU attention backend: the torch backend with decodes run by a C kernel.
+"""The CPU attention backend: the torch backend's path for prefill chunks, a C kernel for decodes.
 
 Decode attention is the one place where torch has no good primitive for a
 paged cache: SDPA needs the keys contiguous, so the torch backend copies every
@@ -33,8 +33,10 @@ from pathlib import Path
 import torch
 
 from engine.config import cache_dir
-from engine.model.attention import register_backend
-from engine.model.torch_attention import TorchAttentionBackend, _StepPlan
+from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
+from engine.model.cpu_threads import all_threads
+from engine.model.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
+from engine.profiling import region
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +179,41 @@ def _warn_unsupported(group: int, head_dim: int, block_size: int) -> None:
 
 
 @register_backend("cpu")
-class CpuAttentionBackend(TorchAttentionBackend):
-    """``TorchAttentionBackend`` whose decodes run in the C kernel when it is available."""
+class CpuAttentionBackend(AttentionBackend):
+    """Paged attention on the CPU: a ``TorchAttentionBackend`` for the step's plan, the cache write and
+    prefill chunks; decodes in the C kernel when it is available, else on the torch path.
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, scale: float) -> torch.Tensor:
-        out = paged_decode_attention(query, kv_cache, plan.decode_block_table, plan.decode_seq_lens, scale)
-        return out if out is not None else super()._decode(query, kv_cache, plan, scale)
+    Args:
+        block_size: tokens per block of the KV caches ``forward`` will be given.
+    """
+
+    supported_devices = ("cpu",)
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self._torch = TorchAttentionBackend(block_size)
+
+    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        """See ``TorchAttentionBackend.build_metadata``."""
+        return self._torch.build_metadata(common)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """See ``TorchAttentionBackend.forward``."""
+        # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
+        with region("attention"), all_threads():
+            return self._torch.run(query, key, value, kv_cache, metadata, scale, self._decode)
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """A ``DecodeFn``: the C kernel, or the torch path when the kernel is unavailable or refuses the shapes."""
+        decodes = metadata.decodes
+        out = paged_decode_attention(query, kv_cache, decodes.block_table, decodes.seq_lens, scale)
+        return out if out is not None else self._torch.decode(query, kv_cache, metadata, scale)

@@ -8,8 +8,11 @@ barrier whose peer thread is descheduled (by the HTTP frontend, the tokenizer,
 a load generator, anything else on the machine) costs far more than the work.
 GEMMs and attention are long enough to repay the barrier.
 
-So while ``serial_elementwise(True)`` is active, torch runs on one thread and
-only the blocks marked ``all_threads()`` get the full count back. Measured on
+So while ``serial_elementwise(True)`` is active (the model runner wraps small
+CPU steps in it), torch runs on one thread and only the blocks marked
+``all_threads()`` get the full count back: the linear methods' ``apply``
+(``linear_methods.py``) and the torch and CPU attention backends' ``forward``;
+models hold no thread policy. Measured on
 the 2-core test machine, serving 64 streams in bf16: 387-426 -> 455-485 output
 tok/s; the same workload offline, with nothing else running, is unchanged.
 

@@ -1,9 +1,11 @@
-"""Building blocks of decoder-only transformers: linear, norm, rotary, MLP.
+"""Building blocks of decoder-only transformers: norms, rotary embedding, MLP.
 
-Parameters are created with ``torch.empty`` (no random init): the loader
-fills every one from a checkpoint, and skipping init keeps construction of a
-large model cheap. Modules follow the current default device and dtype, so the
-loader builds them inside ``torch.device(...)`` and a default-dtype context.
+Linear layers are in ``engine.model.linear``, the embedding and LM head in
+``engine.model.vocab_embedding``. Parameters are created with ``torch.empty``
+(no random init): the loader fills every one from a checkpoint, and skipping
+init keeps construction of a large model cheap. Modules follow the current
+default device and dtype, so the loader builds them inside
+``torch.device(...)`` and a default-dtype context.
 """
 
 from __future__ import annotations
@@ -14,73 +16,14 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model.cpu_threads import all_threads
+from engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
+from engine.model.linear_methods import LinearMethodBase
+from engine.model.parallel import TensorParallel
+from engine.model.weights import ShardId, check_shape, set_weight_loader
 
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.
 _SEQ_LEN_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def can_pack_weights(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``Linear.pack`` works here: oneDNN on the CPU, in float32 or (with CPU support) bfloat16."""
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class Linear(nn.Module):
-    """``y = x @ weight.T + bias`` with uninitialised parameters.
-
-    Args:
-        in_features: input width.
-        out_features: output width.
-        bias: whether a bias is added.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None
-
-    def pack(self) -> None:
-        """Replace the weight by a copy reordered once into oneDNN's blocked layout (CPU only).
-
-        ``F.linear`` hands a plain row-major weight to the GEMM, which then
-        re-blocks it on every call; with few token rows that repacking, not
-        the arithmetic, sets the speed. Measured on the 2-core test machine
-        over SmolLM2-135M's GEMMs: 1.4-1.6x faster in bf16 at 1-16 rows and
-        1.25x at 64, 1.7-2.4x in fp32. ``torch.compile``'s CPU backend
-        packs bf16 weights the same way (inductor's ``mkldnn_fusion`` pass).
-        In bf16 the results are bit-identical to ``F.linear``; in fp32 the
-        summation order differs (relative error about 1e-6). Call after the
-        weights are loaded: the plain weight is dropped, for good (the module
-        no longer lists it in ``parameters()`` or ``state_dict()``).
-        """
-        if self.packed_weight is not None:
-            return
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
-        self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., in_features]`` -> ``[..., out_features]``."""
-        with all_threads():
-            if self.packed_weight is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-            return F.linear(x, self.weight, self.bias)
-
-
-class Embedding(nn.Module):
-    """Token embedding table ``[num_embeddings, embedding_dim]``, uninitialised."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` int64 ids -> ``[T, embedding_dim]``."""
-        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +63,36 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * x32.to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class QKNorm(RMSNorm):
+    """Qwen3's RMSNorm of each query and key head over ``head_dim``, as one op over this rank's heads.
+
+    The weight is ``[num_heads + num_kv_heads, head_dim]``: the checkpoint's
+    ``q_norm`` (one ``[head_dim]`` vector for all query heads) fills every
+    query row, ``k_norm`` every key row (shard ids ``"q"`` and ``"k"``). Every
+    head of a kind has the same weight, so any rank's rows are the same.
+
+    Args:
+        num_heads, num_kv_heads: query and key heads on this rank.
+        head_dim: channels per head.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__((num_heads + num_kv_heads, head_dim), eps)
+        self.num_heads = num_heads
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        """Copy a ``[head_dim]`` norm weight into every row of the query (``"q"``) or key (``"k"``) heads.
+
+        Raises:
+            ValueError: when ``loaded`` is not ``[head_dim]``.
+        """
+        rows = param.data[:self.num_heads] if shard_id == "q" else param.data[self.num_heads:]
+        check_shape(loaded, rows.shape[1:])
+        rows.copy_(loaded)
 
 
 def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
@@ -190,13 +163,24 @@ class GatedMLP(nn.Module):
     """SwiGLU feed-forward block (Shazeer, 2020, arXiv:2002.05202): ``down(silu(gate(x)) * up(x))``.
 
     ``gate_proj`` and ``up_proj`` are stored as one ``gate_up_proj`` weight
-    ``[2 * intermediate_size, hidden_size]`` so both run as a single matmul.
+    (shards 0 and 1) so both run as a single matmul. Under tensor parallelism
+    each rank holds a slice of the intermediate features: gate/up split by
+    rows, down by columns, one all-reduce at the end.
+
+    Args:
+        hidden_size: input and output features.
+        intermediate_size: features of gate and up, over all ranks.
+        bias: whether the three projections have biases.
+        linear_method: creates and multiplies the weights.
+        tp: the tensor-parallel group.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, *, linear_method: LinearMethodBase,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
+                                                       linear_method=linear_method, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method=linear_method, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""

@@ -10,8 +10,10 @@ head counts, rope scaling).
 Parameter names follow the HF checkpoints, except that projections consumed
 together are stored fused so that each runs as one matmul: ``q_proj``,
 ``k_proj``, ``v_proj`` -> ``qkv_proj``; ``gate_proj``, ``up_proj`` ->
-``gate_up_proj``; Qwen3's ``q_norm``, ``k_norm`` -> ``qk_norm``.
-``load_weights`` copies each checkpoint tensor into its slice.
+``gate_up_proj``; Qwen3's ``q_norm``, ``k_norm`` -> ``qk_norm``
+(``stacked_params_mapping``). Layers are tensor-parallel as in vLLM's
+``llama.py`` (``engine.model.linear``); each parameter's weight loader copies
+its rank's slice of a checkpoint tensor into its place.
 
 Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with
 ``use_sliding_window``); such models attend to their full context, which
@@ -25,14 +27,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from engine.model.cpu_threads import all_threads
-from engine.model.layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.model.linear import QKVParallelLinear, RowParallelLinear
+from engine.model.linear_methods import LinearMethodBase
+from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM
+from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -52,18 +57,24 @@ def _head_dim(config: PretrainedConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    """Rotary grouped-query self-attention over the paged KV cache."""
+    """Rotary grouped-query self-attention over the paged KV cache, on this rank's heads.
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend) -> None:
+    Attributes:
+        num_heads, num_kv_heads: query and KV heads on this rank (see ``QKVParallelLinear``).
+    """
+
+    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
+                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
-                               flags.qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, flags.o_bias)
-        self.qk_norm = (RMSNorm((self.num_heads + self.num_kv_heads, self.head_dim), config.rms_norm_eps)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, flags.qkv_bias, linear_method=linear_method,
+                                          tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        flags.o_bias, linear_method=linear_method, tp=tp)
+        self.qk_norm = (QKNorm(self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps)
                         if flags.qk_norm else None)
         self.backend = backend
 
@@ -79,21 +90,22 @@ class LlamaAttention(nn.Module):
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        with all_threads():
-            out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
-                                       attn_metadata, self.scale)
+        out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
+                                   attn_metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
+                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, flags, backend)
+        self.self_attn = LlamaAttention(config, flags, backend, linear_method=linear_method, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias,
+                            linear_method=linear_method, tp=tp)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
@@ -115,11 +127,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (HF's ``model.*`` parameters)."""
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
+                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend, linear_method=linear_method, tp=tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,19 +152,33 @@ class LlamaForCausalLM(CausalLM):
 
     Build it under ``torch.device(...)`` and the wanted default dtype (see
     ``engine.model.loader.load_model``); parameters start uninitialised until
-    ``load_weights``.
+    ``load_weights``, after which the loader lets each layer's linear method
+    process its weights.
 
     Args:
         config: the HF config.
         attn_backend: name of a registered attention backend (``engine.model.attention``).
+        block_size: tokens per KV cache block, for the attention backend.
+        linear_method: how every linear layer stores and multiplies its weight.
+        tp: the tensor-parallel group; ``num_heads`` and ``num_kv_heads`` are this rank's.
     """
 
-    def __init__(self, config: PretrainedConfig, attn_backend: str = "torch") -> None:
+    #: checkpoint modules stored fused: (fused module, checkpoint module, shard id).
+    stacked_params_mapping: StackedParamsMapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+        ("qk_norm", "q_norm", "q"),
+        ("qk_norm", "k_norm", "k"),
+    ]
+
+    def __init__(self, config: PretrainedConfig, *, attn_backend: str, block_size: int,
+                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
         flags = self.arch_flags(config)
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -159,17 +186,13 @@ class LlamaForCausalLM(CausalLM):
         if window is not None and window < config.max_position_embeddings:
             logger.warning("sliding-window attention (window %d) is not implemented: sequences longer "
                            "than %d tokens attend to their full context", window, window)
-        self.attn_backend = get_attention_backend(attn_backend)
-        self.model = LlamaModel(config, flags, self.attn_backend)
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False))
-        qkv_rows = [n * self.head_dim for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
-        # checkpoint module name -> (fused module name, first row, end row) along dim 0
-        self._shards: dict[str, tuple[str, int, int]] = {
-            **_row_ranges("qkv_proj", ("q_proj", "k_proj", "v_proj"), qkv_rows),
-            **_row_ranges("gate_up_proj", ("gate_proj", "up_proj"), [config.intermediate_size] * 2),
-            **_row_ranges("qk_norm", ("q_norm", "k_norm"), [self.num_heads, self.num_kv_heads]),
-        }
+        self.attn_backend = get_attention_backend(attn_backend, block_size)
+        self.model = LlamaModel(config, flags, self.attn_backend, linear_method=linear_method, tp=tp)
+        attention = self.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
+        # A tied head shares the embedding's parameter, so it is loaded once, under the embedding's name.
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, linear_method=linear_method, tp=tp,
+                                      tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 
     @staticmethod
     def arch_flags(config: PretrainedConfig) -> ArchFlags:
@@ -185,59 +208,20 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """See ``CausalLM.compute_logits``."""
-        if self.lm_head is None:
-            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden_states).float()
-
-    def pack_linear_weights(self) -> None:
-        """See ``CausalLM.pack_linear_weights``; a tied head gets a packed copy of the embedding table."""
-        if self.lm_head is None:
-            embedding = self.model.embed_tokens.weight
-            self.lm_head = Linear(embedding.shape[1], embedding.shape[0])
-            self.lm_head.weight = embedding
-        super().pack_linear_weights()
 
     def checkpoint_weight_names(self) -> list[str]:
         """See ``CausalLM.checkpoint_weight_names``."""
-        parts: dict[str, list[str]] = {}
-        for part, (fused, _, _) in self._shards.items():
-            parts.setdefault(fused, []).append(part)
-        names = []
-        for name, _ in self.named_parameters():
-            *path, module, suffix = name.split(".")
-            names += [".".join([*path, part, suffix]) for part in parts.get(module, [module])]
-        return names
+        return checkpoint_weight_names(self, self.stacked_params_mapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """See ``CausalLM.load_weights``; tensors are cast to the parameters' dtype."""
-        params = dict(self.named_parameters())
-        expected = set(self.checkpoint_weight_names())
-        loaded = set()
-        for name, tensor in weights:
-            if name not in expected and (name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")):
-                continue  # a tied head saved anyway, or a buffer older checkpoints store
-            if name not in expected:
-                raise ValueError(f"checkpoint weight {name!r} has no parameter in {type(self).__name__}")
-            *path, module, suffix = name.split(".")
-            fused, start, end = self._shards.get(module, (module, None, None))
-            target = params[".".join([*path, fused, suffix])].data[start:end]
-            # Norm weights of single heads ([head_dim]) fill every row of their slice.
-            if tensor.shape != target.shape[target.dim() - tensor.dim():]:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
-            loaded.add(name)
-        if expected - loaded:
-            raise ValueError(f"checkpoint lacks weights: {sorted(expected - loaded)}")
+        """See ``CausalLM.load_weights``; tensors are cast to the parameters' dtype.
 
-
-def _row_ranges(fused: str, parts: tuple[str, ...], rows: list[int]) -> dict[str, tuple[str, int, int]]:
-    """Consecutive row ranges of ``parts`` inside the ``fused`` parameter."""
-    ranges, start = {}, 0
-    for part, n in zip(parts, rows, strict=True):
-        ranges[part] = (fused, start, start + n)
-        start += n
-    return ranges
+        A tied head saved anyway (``lm_head.weight``) and the inverse rotary
+        frequencies older checkpoints store (``rotary_emb.inv_freq``) are skipped.
+        """
+        load_weights(self, weights, self.stacked_params_mapping,
+                     ignored=lambda name: name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq"))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -31,7 +31,8 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import cache_dir
-from engine.model.layers import can_pack_weights
+from engine.model.linear_methods import LinearMethodBase, UnquantizedLinearMethod, linear_method_for
+from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM, model_class
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def _convert_gguf(source: ModelSource, folder: str) -> None:
     logger.info("converting %s to an HF folder once (cached in %s)", source.gguf_file, folder)
     config, tokenizer = load_hf_config(source), load_tokenizer(source)
     with torch.device("meta"):
-        names = model_class(config)(config).checkpoint_weight_names()
+        names = _build(config, "torch", 16, UnquantizedLinearMethod()).checkpoint_weight_names()
     weights = dict(tqdm(_gguf_weights(os.path.join(source.path, source.gguf_file), config, names),
                         total=len(names), desc=f"Dequantizing {source.gguf_file}", disable=None))
     os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -190,8 +191,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               attn_backend: str = "torch") -> CausalLM:
+               attn_backend: str = "torch", block_size: int = 16) -> CausalLM:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and load its weights.
+
+    The linear layers' method is chosen here, once (``linear_method_for``:
+    oneDNN-packed weights on a CPU that supports them), and each layer's method
+    processes its weights after loading.
 
     Args:
         source: where the weights are.
@@ -199,16 +204,16 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
         dtype: parameter and activation dtype.
         device: where parameters live.
         attn_backend: name of a registered attention backend.
+        block_size: tokens per KV cache block (the attention backend plans for it).
 
     Raises:
         ValueError: for an unsupported architecture (the message lists the
             supported ones), a folder without weights, or weights that do not
             fit the model.
     """
-    cls = model_class(hf_config)
     start = time.perf_counter()
     with _default_dtype(dtype), torch.device(device):
-        model = cls(hf_config, attn_backend=attn_backend)
+        model = _build(hf_config, attn_backend, block_size, linear_method_for(device, dtype))
     expected = model.checkpoint_weight_names()
     if source.gguf_file is not None:
         weights = _gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, expected)
@@ -218,11 +223,25 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
                             unit="tensor"))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    if can_pack_weights(device, dtype):
-        model.pack_linear_weights()
+    _process_weights_after_loading(model)
     logger.info("loaded %s (%s): %.1fM parameters, %s on %s in %.1f s", source.display_name,
                 type(model).__name__, num_params / 1e6, dtype, device, time.perf_counter() - start)
     return model
+
+
+def _build(hf_config: PretrainedConfig, attn_backend: str, block_size: int,
+           linear_method: LinearMethodBase) -> CausalLM:
+    """The uninitialised model of ``hf_config``'s architecture, as this single process (tensor-parallel size 1)."""
+    return model_class(hf_config)(hf_config, attn_backend=attn_backend, block_size=block_size,
+                                  linear_method=linear_method, tp=TensorParallel())
+
+
+def _process_weights_after_loading(model: CausalLM) -> None:
+    """Let every layer's linear method rewrite its loaded weights (e.g. pack them), as vLLM's loader does."""
+    for module in model.modules():
+        method: LinearMethodBase | None = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
 
 
 @contextlib.contextmanager

@@ -18,8 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.model.attention import AttentionMetadata
-from engine.model.layers import Linear
+from engine.model.attention import AttentionBackend, AttentionMetadata
 
 # architecture name -> "module:class"
 _ARCHITECTURES: dict[str, str] = {
@@ -33,17 +32,23 @@ _ARCHITECTURES: dict[str, str] = {
 class CausalLM(nn.Module, ABC):
     """A decoder-only language model running on the paged KV cache.
 
+    Constructed as ``cls(hf_config, attn_backend=name, block_size=..., linear_method=..., tp=...)``
+    (see ``engine.model.loader.load_model``).
+
     Attributes (read by the model runner to allocate the KV cache and logits):
         num_layers: decoder layers, i.e. KV cache tensors.
-        num_kv_heads: key/value heads per layer.
+        num_kv_heads: key/value heads per layer on this tensor-parallel rank.
         head_dim: channels per head.
         vocab_size: rows of the logits.
+        attn_backend: the attention backend every layer runs; the runner builds
+            each step's metadata with its ``build_metadata``.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    attn_backend: AttentionBackend
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -55,7 +60,8 @@ class CausalLM(nn.Module, ABC):
             positions: ``[T]`` int64 absolute position of each token in its request.
             kv_caches: one tensor per layer, each ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
                 this step's keys and values are written into them.
-            attn_metadata: the step's layout (``slot_mapping``, block table, ...).
+            attn_metadata: the step's layout (``slot_mapping``, block table, ...), as
+                ``attn_backend.build_metadata`` returns it; handed to every layer's backend.
 
         Returns:
             ``[T, hidden_size]`` final hidden states (after the last norm).
@@ -76,12 +82,6 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def checkpoint_weight_names(self) -> list[str]:
         """HF checkpoint names ``load_weights`` expects, e.g. ``model.layers.0.self_attn.q_proj.weight``."""
-
-    def pack_linear_weights(self) -> None:
-        """Reorder every ``Linear`` weight for the CPU's oneDNN kernels (``Linear.pack``), after loading."""
-        for module in list(self.modules()):
-            if isinstance(module, Linear):
-                module.pack()
 
 
 def supported_architectures() -> list[str]:

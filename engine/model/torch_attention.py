@@ -13,9 +13,8 @@ One step's flattened batch mixes decodes (one query token) and prefill chunks
   offset by the request's context; a chunk without context reads its keys
   straight from this step's ``key``/``value`` instead of the cache.
 
-The split depends only on the step's metadata, so it is computed once per step
-and reused by every layer (``_plan`` caches it by metadata identity: build a
-new ``AttentionMetadata`` for each step rather than mutating one in place).
+The split depends only on the step's metadata, so ``build_metadata`` computes
+it once per step (``TorchAttentionMetadata``) and every layer reuses it.
 
 Requirements on the caller: padding entries of ``block_table`` hold valid
 block ids (e.g. 0), and the cache holds finite values everywhere (allocate it
@@ -25,17 +24,20 @@ probability, and ``0 * nan`` would poison the output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
+from engine.model.cpu_threads import all_threads
+from engine.profiling import region
 
 
 @dataclass
-class _PrefillChunk:
+class PrefillChunk:
     """One request with more than one query token this step."""
 
     start: int  # first row of the request's tokens in the flattened batch
@@ -46,30 +48,85 @@ class _PrefillChunk:
 
 
 @dataclass
-class _StepPlan:
-    """How one step's batch splits into decodes and prefill chunks."""
+class DecodeBatch:
+    """The requests with a single query token this step, in request order."""
 
-    all_decode: bool                    # every request has a single query token
-    decode_rows: torch.Tensor | None    # [num_decodes] int64 rows of the decode tokens; None if no decodes
-    decode_blocks: torch.Tensor | None  # [num_decodes * blocks per decode] int64 ids, padded to the longest
-    decode_mask: torch.Tensor | None    # [num_decodes, 1, 1, keys] bool, True where a key is attended
-    prefills: list[_PrefillChunk]
-    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] int32 block table rows
-    decode_seq_lens: torch.Tensor | None = None     # [num_decodes] int32
+    rows: torch.Tensor         # [num_decodes] int64 rows of their tokens in the flattened batch
+    blocks: torch.Tensor       # [num_decodes * blocks per decode] int64 ids, padded to the longest sequence
+    mask: torch.Tensor         # [num_decodes, 1, 1, keys] bool, True where a key is attended
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int32 block table rows, contiguous
+    seq_lens: torch.Tensor     # [num_decodes] int32, contiguous
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The common layout of a step plus its split into decodes and prefill chunks."""
+
+    decodes: DecodeBatch | None  # None when no request decodes
+    prefills: list[PrefillChunk]
+
+    @property
+    def all_decode(self) -> bool:
+        """Every request of the step has a single query token."""
+        return self.decodes is not None and not self.prefills
+
+
+#: Attention of the one-token queries: (query [num_decodes, H, D], kv_cache, metadata, scale) -> same shape.
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, TorchAttentionMetadata, float], torch.Tensor]
 
 
 @register_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Paged attention with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    One instance serves every layer of a model: the step plan and the gather
-    workspace are shared, since layers run one after another.
+    One instance serves every layer of a model: the gather workspace is
+    shared, since layers run one after another.
+
+    Args:
+        block_size: tokens per block of the KV caches ``forward`` will be given.
     """
 
-    def __init__(self) -> None:
-        self._planned_for: AttentionMetadata | None = None
-        self._plan_cache: _StepPlan | None = None
+    supported_devices = ("cpu", "cuda")
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
         self._workspace = torch.empty(0)
+
+    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        """Split the step's requests into decodes and prefill chunks, with their block ids and masks."""
+        block_size = self.block_size
+        device = common.block_table.device
+        starts = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
+        seq_lens = np.asarray(common.seq_lens_cpu, dtype=np.int64)
+        is_decode = np.diff(starts) == 1
+        decode_reqs = np.flatnonzero(is_decode)
+
+        decodes = None
+        if len(decode_reqs):
+            decode_num_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
+            reqs = torch.from_numpy(decode_reqs).to(device)
+            keys = torch.arange(decode_num_blocks * block_size, device=device)
+            decodes = DecodeBatch(
+                rows=torch.from_numpy(starts[decode_reqs]).to(device),
+                blocks=common.block_table[reqs, :decode_num_blocks].reshape(-1).long(),
+                mask=(keys[None, :] < common.seq_lens[reqs, None])[:, None, None, :],
+                block_table=common.block_table[reqs].contiguous(),
+                seq_lens=common.seq_lens[reqs].contiguous(),
+            )
+
+        prefills = []
+        for req in np.flatnonzero(~is_decode).tolist():
+            start, end, seq_len = int(starts[req]), int(starts[req + 1]), int(seq_lens[req])
+            blocks = mask = None
+            if seq_len > end - start:
+                blocks = common.block_table[req, :-(-seq_len // block_size)].long()
+                # Query i sits at position context_len + i and sees keys 0..context_len + i.
+                rows = torch.arange(seq_len - (end - start), seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
+            prefills.append(PrefillChunk(start, end, blocks, mask))
+
+        return TorchAttentionMetadata(**{f.name: getattr(common, f.name) for f in fields(AttentionMetadata)},
+                                      decodes=decodes, prefills=prefills)
 
     def forward(
         self,
@@ -77,63 +134,39 @@ class TorchAttentionBackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """See ``AttentionBackend.forward``; rows past ``num_actual_tokens`` are left as zeros."""
+        """See ``AttentionBackend.forward``; rows past ``num_actual_tokens`` are left as zeros.
+
+        Raises:
+            ValueError: when the cache's blocks are not ``block_size`` tokens.
+        """
+        # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
+        with region("attention"), all_threads():
+            return self.run(query, key, value, kv_cache, metadata, scale, self.decode)
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+            metadata: TorchAttentionMetadata, scale: float, decode: DecodeFn) -> torch.Tensor:
+        """``forward``'s work with the decodes attended by ``decode`` (how the CPU backend reuses it)."""
+        if kv_cache.shape[2] != self.block_size:
+            raise ValueError(f"the KV cache has blocks of {kv_cache.shape[2]} tokens; this attention backend "
+                             f"was built for {self.block_size}")
         num_tokens = metadata.num_actual_tokens
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         slots = kv_cache.view(2, -1, num_kv_heads, head_dim)
         slots[0].index_copy_(0, metadata.slot_mapping[:num_tokens], key[:num_tokens])
         slots[1].index_copy_(0, metadata.slot_mapping[:num_tokens], value[:num_tokens])
 
-        plan = self._plan(metadata, kv_cache.shape[2])
-        if plan.all_decode and query.shape[0] == num_tokens:
-            return self._decode(query, kv_cache, plan, scale)
+        if metadata.all_decode and query.shape[0] == num_tokens:
+            return decode(query, kv_cache, metadata, scale)
         output = torch.zeros_like(query)
-        if plan.decode_rows is not None:
-            output[plan.decode_rows] = self._decode(query[plan.decode_rows], kv_cache, plan, scale)
-        for chunk in plan.prefills:
+        if metadata.decodes is not None:
+            rows = metadata.decodes.rows
+            output[rows] = decode(query[rows], kv_cache, metadata, scale)
+        for chunk in metadata.prefills:
             output[chunk.start:chunk.end] = self._prefill(query, key, value, kv_cache, chunk, scale)
         return output
-
-    def _plan(self, metadata: AttentionMetadata, block_size: int) -> _StepPlan:
-        """Split the step's requests into decodes and prefill chunks (cached per step)."""
-        if metadata is self._planned_for and self._plan_cache is not None:
-            return self._plan_cache
-        device = metadata.block_table.device
-        starts = np.asarray(metadata.query_start_loc_cpu, dtype=np.int64)
-        seq_lens = np.asarray(metadata.seq_lens_cpu, dtype=np.int64)
-        query_lens = np.diff(starts)
-        is_decode = query_lens == 1
-        decode_reqs = np.flatnonzero(is_decode)
-
-        decode_rows = decode_blocks = decode_mask = decode_block_table = decode_seq_lens = None
-        if len(decode_reqs):
-            decode_num_blocks = -(-int(seq_lens[decode_reqs].max()) // block_size)
-            reqs = torch.from_numpy(decode_reqs).to(device)
-            decode_blocks = metadata.block_table[reqs, :decode_num_blocks].reshape(-1).long()
-            keys = torch.arange(decode_num_blocks * block_size, device=device)
-            decode_mask = (keys[None, :] < metadata.seq_lens[reqs, None])[:, None, None, :]
-            decode_rows = torch.from_numpy(starts[decode_reqs]).to(device)
-            decode_block_table = metadata.block_table[reqs].contiguous()
-            decode_seq_lens = metadata.seq_lens[reqs].contiguous()
-
-        prefills = []
-        for req in np.flatnonzero(~is_decode).tolist():
-            start, end, seq_len = int(starts[req]), int(starts[req + 1]), int(seq_lens[req])
-            blocks = mask = None
-            if seq_len > end - start:
-                blocks = metadata.block_table[req, :-(-seq_len // block_size)].long()
-                # Query i sits at position context_len + i and sees keys 0..context_len + i.
-                rows = torch.arange(seq_len - (end - start), seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= rows[:, None]
-            prefills.append(_PrefillChunk(start, end, blocks, mask))
-
-        self._planned_for = metadata
-        self._plan_cache = _StepPlan(bool(is_decode.all()), decode_rows, decode_blocks, decode_mask, prefills,
-                                     decode_block_table, decode_seq_lens)
-        return self._plan_cache
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Copy the given blocks of keys and values into the workspace.
@@ -155,12 +188,12 @@ class TorchAttentionBackend(AttentionBackend):
         torch.index_select(kv_cache.view(2, num_blocks, -1), 1, blocks, out=out)
         return out.view(2, -1, num_kv_heads, head_dim)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan,
-                scale: float) -> torch.Tensor:
-        """Attention of every one-token query at once.
+    def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Attention of every one-token query at once (a ``DecodeFn``).
 
         Args:
-            query: ``[num_decodes, num_heads, head_dim]``, in plan order.
+            query: ``[num_decodes, num_heads, head_dim]``, in the order of ``metadata.decodes``.
 
         Returns:
             ``[num_decodes, num_heads, head_dim]``.
@@ -168,13 +201,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = kv_cache.shape[-2:]
         num_decodes, num_heads = query.shape[:2]
         q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        kv = self._gather(kv_cache, plan.decode_blocks).view(2, num_decodes, -1, num_kv_heads, head_dim)
+        kv = self._gather(kv_cache, metadata.decodes.blocks).view(2, num_decodes, -1, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                             attn_mask=plan.decode_mask, scale=scale)
+                                             attn_mask=metadata.decodes.mask, scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 kv_cache: torch.Tensor, chunk: _PrefillChunk, scale: float) -> torch.Tensor:
+                 kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
         """Causal attention of one request's chunk: ``[chunk_len, num_heads, head_dim]``."""
         q = query[chunk.start:chunk.end].transpose(0, 1)
         if chunk.blocks is None:

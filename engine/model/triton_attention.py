@@ -1,195 +1,45 @@
 """Paged attention in Triton: one launch for a mixed batch of prefill chunks and decodes.
 
-Two kernels per layer and step:
-
-1. ``_reshape_and_cache_kernel`` writes this step's K/V into the paged cache at
-   ``metadata.slot_mapping``; a negative slot (a padded row of a CUDA-graph batch)
-   is skipped.
-2. ``_paged_attention_kernel`` attends every query token to its request's keys
-   through the block table, causally, with the online softmax of FlashAttention
-   (Dao et al. 2022, arXiv:2205.14135) and fp32 accumulation.
-
-Grid of the attention kernel: ``(num_query_blocks, num_kv_heads)``. A program
-owns ``BLOCK_Q`` consecutive query tokens of one request and all
-``QUERIES_PER_KV`` query heads that share one kv head (GQA), i.e. a
-``[BLOCK_M = BLOCK_Q * QUERIES_PER_KV, head_dim]`` tile, so each K/V tile is
-loaded once for the whole head group. Query blocks of all requests are numbered
-in one flat range whose size, ``num_tokens // BLOCK_Q + num_reqs``, needs only
-host-known shapes; each program finds its request by binary search over
-``query_start_loc``. This layout follows vLLM's unified Triton attention
-(``vllm/attention/ops/triton_unified_attention.py``).
-
-Importing this module never requires Triton; the backend registers itself as
-``"triton"`` only when Triton imports.
+The kernels are in ``triton_kernels`` (a cache-write kernel, then one
+attention kernel for the whole batch, after vLLM's unified Triton attention).
+This module does not import Triton: the kernels are imported when a backend is
+instantiated, so that listing the backends never initialises Triton (whose
+``TRITON_INTERPRET`` setting is read at that first import).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Callable
 
 import torch
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs serve with the torch backend
-    triton = None
-    tl = None
-
-# Keys per inner-loop iteration of the attention kernel; independent of the KV block size.
-_TILE_N = 32
-# triton.jit reads TRITON_INTERPRET when it decorates the kernels below, so read it at import too.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from engine.profiling import region
 
 
-def _jit(fn: Callable) -> Callable:
-    """``triton.jit`` when Triton is installed; otherwise the plain function, never launched."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
-def _reshape_and_cache_kernel(
-    key, value, key_cache, value_cache, slot_mapping,
-    stride_k_tok, stride_k_head, stride_k_d,
-    stride_v_tok, stride_v_head, stride_v_d,
-    stride_c_blk, stride_c_slot, stride_c_head, stride_c_d,
-    NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    """Copy the ``[num_kv_heads, head_dim]`` K and V of one token (program 0 = token) into its slot."""
-    tok = tl.program_id(0)
-    slot = tl.load(slot_mapping + tok)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, KV_HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_PAD)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
-    cache_off = ((slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-                 + offs_h[:, None] * stride_c_head + offs_d[None, :] * stride_c_d)
-    k = tl.load(key + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :] * stride_k_d,
-                mask=mask)
-    v = tl.load(value + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :] * stride_v_d,
-                mask=mask)
-    tl.store(key_cache + cache_off, k, mask=mask)
-    tl.store(value_cache + cache_off, v, mask=mask)
-
-
-@_jit
-def _find_request(query_start_loc, q_block, num_reqs, BLOCK_Q: tl.constexpr):
-    """The request that owns flat query block ``q_block``.
-
-    Request ``i``'s blocks start at ``query_start_loc[i] // BLOCK_Q + i``; the answer is
-    the largest ``i`` whose start is ``<= q_block``.
-
-    Binary search: ``num_reqs`` is at most a few hundred, so about 8 scalar loads.
-    """
-    lo: tl.int32 = 0
-    hi = num_reqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(query_start_loc + mid) // BLOCK_Q + mid <= q_block:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@_jit
-def _paged_attention_kernel(
-    out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-    scale, num_reqs,
-    stride_q_tok, stride_q_head, stride_q_d,
-    stride_o_tok, stride_o_head, stride_o_d,
-    stride_c_blk, stride_c_slot, stride_c_head, stride_c_d,
-    stride_bt_req,
-    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One ``[BLOCK_M, head_dim]`` output tile: BLOCK_Q query tokens x the query heads of one kv head."""
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc, q_block, num_reqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc + req)
-    q_len = tl.load(query_start_loc + req + 1) - q_start
-    q_block_local = q_block - (q_start // BLOCK_Q + req)
-    # The flat numbering over-provisions blocks; the spare ones have nothing to do.
-    if q_block_local * BLOCK_Q >= q_len:
-        return
-    seq_len = tl.load(seq_lens + req)
-    context_len = seq_len - q_len
-
-    # Row m of the tile is query token q_idx[m] of the request, query head head[m].
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_PAD)
-    offs_n = tl.arange(0, TILE_N)
-    q_idx = q_block_local * BLOCK_Q + offs_m // QUERIES_PER_KV
-    head = kv_head * QUERIES_PER_KV + offs_m % QUERIES_PER_KV
-    row_valid = (offs_m < BLOCK_Q * QUERIES_PER_KV) & (q_idx < q_len)
-    d_valid = offs_d < HEAD_DIM
-    q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(query + (q_start + q_idx)[:, None] * stride_q_tok + head[:, None] * stride_q_head
-                + offs_d[None, :] * stride_q_d, mask=q_mask, other=0.0)
-    q_pos = context_len + q_idx
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    # Keys past the last query position of this tile are masked for every row: skip them.
-    kv_len = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_len, TILE_N):
-        k_pos = kv_start + offs_n
-        k_valid = k_pos < kv_len
-        block_id = tl.load(block_table + req * stride_bt_req + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-        # int64: block_id * stride_c_blk overflows int32 for caches above 2**31 elements.
-        slot_off = (block_id.to(tl.int64) * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot
-                    + kv_head * stride_c_head)
-        k = tl.load(key_cache + slot_off[None, :] + offs_d[:, None] * stride_c_d,
-                    mask=k_valid[None, :] & d_valid[:, None], other=0.0)
-        s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key keeps m = -inf; exp(-inf - -inf) would be NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache + slot_off[:, None] + offs_d[None, :] * stride_c_d,
-                    mask=k_valid[:, None] & d_valid[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # Rows that attend to nothing (seq_len 0: padded CUDA-graph rows) come out as zeros.
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    tl.store(out + (q_start + q_idx)[:, None] * stride_o_tok + head[:, None] * stride_o_head
-             + offs_d[None, :] * stride_o_d, o.to(out.dtype.element_ty), mask=q_mask)
-
-
-def _dot_dtype(dtype: torch.dtype) -> tuple[object, str | None]:
-    """Operand dtype and ``input_precision`` of ``tl.dot`` for inputs of ``dtype``.
-
-    fp32 inputs use IEEE fp32 products: Triton's default for fp32, TF32, would
-    cost the accuracy the fp32 path exists for. fp16/bf16 use the default. The
-    Triton interpreter does not support bf16 arithmetic ("use tl.cast to
-    float32", Triton debugging guide; its ``tl.dot`` multiplies bf16 bit
-    patterns, triton-lang/triton#11584), so interpreted bf16 operands are upcast.
-    """
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and _INTERPRETED):
-        return tl.float32, "ieee"
-    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), None
-
-
+@register_backend("triton")
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention with Triton kernels; runs on CUDA, or on CPU under ``TRITON_INTERPRET=1``.
+    """Paged attention with Triton kernels; runs on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (tests).
 
     No device-to-host sync: the launch grids and tile sizes depend only on host
     values (shapes, ``num_actual_tokens``, ``num_reqs``, ``max_query_len``), so a
-    decode step can be captured in a CUDA graph.
+    decode step can be captured in a CUDA graph. ``build_metadata`` is the
+    identity: the kernels read the common layout.
+
+    Args:
+        block_size: tokens per block of the KV caches (the kernels read it from the cache's shape).
+
+    Raises:
+        ImportError: when Triton is not installed.
     """
+
+    supported_devices = ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+    supports_cuda_graphs = True
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self._kernels = importlib.import_module("engine.model.triton_kernels")
 
     def forward(
         self,
@@ -220,46 +70,18 @@ class TritonAttentionBackend(AttentionBackend):
             ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads``, or the
                 cache's trailing dims do not match ``key``.
         """
-        num_heads, head_dim = query.shape[1:]
-        num_tokens = metadata.num_actual_tokens
+        num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
-        block_size = kv_cache.shape[2]
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if kv_cache.shape[3:] != key.shape[1:]:
             raise ValueError(f"kv_cache dims {tuple(kv_cache.shape)} do not match key {tuple(key.shape)}")
-        out = torch.empty_like(query)
-        out[num_tokens:] = 0
-        if num_tokens == 0:
+        with region("attention"):
+            num_tokens = metadata.num_actual_tokens
+            out = torch.empty_like(query)
+            out[num_tokens:] = 0
+            if num_tokens == 0:
+                return out
+            self._kernels.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
+            self._kernels.paged_attention(out, query, kv_cache, metadata, scale)
             return out
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        head_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs dims >= 16
-
-        _reshape_and_cache_kernel[(num_tokens,)](
-            key, value, key_cache, value_cache, metadata.slot_mapping,
-            *key.stride(), *value.stride(), *key_cache.stride(),
-            NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
-        )
-
-        queries_per_kv = num_heads // num_kv_heads
-        # Decode-only steps have one query token per request: a 16-row tile (the smallest
-        # tl.dot accepts) wastes least; prefill tiles take 64 rows for more reuse of each K/V tile.
-        min_rows = 16 if metadata.max_query_len == 1 else 64
-        block_m = max(min_rows, triton.next_power_of_2(queries_per_kv))
-        block_q = block_m // queries_per_kv
-        dot_dtype, dot_precision = _dot_dtype(query.dtype)
-        grid = (num_tokens // block_q + metadata.num_reqs, num_kv_heads)
-        _paged_attention_kernel[grid](
-            out, query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
-            metadata.seq_lens, scale, metadata.num_reqs,
-            *query.stride(), *out.stride(), *key_cache.stride(), metadata.block_table.stride(0),
-            QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=_TILE_N,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        )
-        return out
-
-
-if triton is not None:
-    register_backend("triton")(TritonAttentionBackend)

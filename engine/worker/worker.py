@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.model.attention import AttentionMetadata
+from engine.model.attention import AttentionMetadata, check_attention_backend
 from engine.model.loader import ModelSource, load_model, resolve_dtype
 from engine.model.registry import CausalLM
 from engine.outputs import ModelRunnerOutput
@@ -79,14 +79,14 @@ class Worker:
         backend = args.attention_backend
         if backend == "auto":
             backend = DEFAULT_ATTENTION_BACKENDS[self.device.type]
-        check_attention_backend(backend, self.device.type)
+        check_attention_backend(backend, self.device)
         self.attention_backend = backend
 
     def load_model(self) -> None:
         model_config = self.config.model_config
         source = ModelSource(model_config.path, None, model_config.served_model_name)
         self.model = load_model(source, model_config.hf_config, self.dtype, self.device,
-                                attn_backend=self.attention_backend)
+                                attn_backend=self.attention_backend, block_size=self.config.cache_config.block_size)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
@@ -122,13 +122,6 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
-
-
-def check_attention_backend(name: str, device_type: str) -> None:
-    """Raise ``ValueError`` naming ``attention_backend`` when ``name`` cannot run on ``device_type``."""
-    valid = {"cpu": ("cpu", "torch"), "cuda": ("triton", "torch")}[device_type]
-    if name not in valid:
-        raise ValueError(f"attention_backend {name!r} does not run on {device_type}; use one of {valid} or auto")
 
 
 @torch.inference_mode()
