@@ -10,24 +10,15 @@ only produce allowed tokens; free rows in the same batch must be unchanged.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from engine.config import EngineArgs, EngineConfig
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.engine_core import EngineCore
 from engine.request import EngineCoreRequest, Request
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import tiny_hf_model
 
 VOCAB = 256
 ALLOWED = [3, 40, 77, 255]
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-mask")
-    tiny_hf_model("llama", folder, tie_word_embeddings=False)
-    return str(folder)
 
 
 class FixedTokensGrammar:
@@ -62,15 +53,15 @@ def run(folder: str, params: dict[str, SamplingParams], grammar=None) -> dict[st
     return outputs
 
 
-def test_constrained_rows_only_sample_allowed_tokens_and_free_rows_are_unchanged(tiny_folder):
+def test_constrained_rows_only_sample_allowed_tokens_and_free_rows_are_unchanged(tiny_llama_folder):
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     params = {"free-greedy": greedy, "c-greedy": greedy,
               "free-sampled": SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=1),
               "c-sampled": SamplingParams(temperature=1.5, max_tokens=200, ignore_eos=True, seed=2),
               "c-top-k": SamplingParams(temperature=1.0, top_k=5, max_tokens=16, ignore_eos=True, seed=3)}
     grammar = FixedTokensGrammar()
-    constrained = run(tiny_folder, params, grammar)
-    free = run(tiny_folder, params)
+    constrained = run(tiny_llama_folder, params, grammar)
+    free = run(tiny_llama_folder, params)
     assert grammar.calls > 0
     for request_id in ("free-greedy", "free-sampled"):
         assert constrained[request_id] == free[request_id]

@@ -18,16 +18,8 @@ from engine.config import EngineArgs, EngineConfig
 from engine.engine_core import EngineCore
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from tests.model_fixtures import tiny_hf_model
 
 VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama-spec")
-    tiny_hf_model("llama", folder, tie_word_embeddings=False)
-    return str(folder)
 
 
 class OracleProposer:
@@ -70,8 +62,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_folder):
-    outputs, steps, _ = run(tiny_folder, PROMPTS, GREEDY)
+def reference(tiny_llama_folder):
+    outputs, steps, _ = run(tiny_llama_folder, PROMPTS, GREEDY)
     return outputs, steps
 
 
@@ -80,60 +72,60 @@ def sequences(outputs: dict[str, list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("num_speculative_tokens", [1, 4])
-def test_right_drafts_are_all_accepted_in_fewer_steps(tiny_folder, reference, num_speculative_tokens):
+def test_right_drafts_are_all_accepted_in_fewer_steps(tiny_llama_folder, reference, num_speculative_tokens):
     expected, steps = reference
     drafter = OracleProposer(sequences(expected), num_speculative_tokens)
-    outputs, spec_steps, core = run(tiny_folder, PROMPTS, GREEDY, drafter)
+    outputs, spec_steps, core = run(tiny_llama_folder, PROMPTS, GREEDY, drafter)
     assert outputs == expected
     # Prefill, then (30 - 1) tokens at k + 1 per step.
     assert spec_steps < steps and spec_steps <= 2 + -(-29 // (num_speculative_tokens + 1)) + 1
     assert core.make_stats().kv_cache_usage == 0.0
 
 
-def test_wrong_drafts_are_all_rejected_and_change_nothing(tiny_folder, reference):
+def test_wrong_drafts_are_all_rejected_and_change_nothing(tiny_llama_folder, reference):
     expected, steps = reference
-    outputs, spec_steps, _ = run(tiny_folder, PROMPTS, GREEDY, OracleProposer(sequences(expected), 3, wrong=True))
+    outputs, spec_steps, _ = run(tiny_llama_folder, PROMPTS, GREEDY, OracleProposer(sequences(expected), 3, wrong=True))
     assert outputs == expected and spec_steps == steps
 
 
 @pytest.mark.parametrize("wrong", [False, True])
-def test_drafts_under_chunked_prefill_and_preemption(tiny_folder, reference, wrong):
+def test_drafts_under_chunked_prefill_and_preemption(tiny_llama_folder, reference, wrong):
     expected, _ = reference
     drafter = OracleProposer(sequences(expected), 3, wrong=wrong)
     # 22 blocks of 4 tokens cannot hold six requests of up to 80 tokens: requests are preempted.
-    outputs, _, core = run(tiny_folder, PROMPTS, GREEDY, drafter, block_size=4, num_gpu_blocks_override=23,
+    outputs, _, core = run(tiny_llama_folder, PROMPTS, GREEDY, drafter, block_size=4, num_gpu_blocks_override=23,
                            long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=6)
     assert core.make_stats().num_preemptions > 0
     assert outputs == expected
 
 
-def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(tiny_folder, reference):
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(tiny_llama_folder, reference):
     expected, _ = reference
     stop_token = expected["2"][6]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_token])
-    plain, _, _ = run(tiny_folder, PROMPTS, params)
-    outputs, _, _ = run(tiny_folder, PROMPTS, params, OracleProposer(sequences(expected), 4))
+    plain, _, _ = run(tiny_llama_folder, PROMPTS, params)
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, OracleProposer(sequences(expected), 4))
     assert outputs == plain
     assert plain["2"] == expected["2"][:expected["2"].index(stop_token) + 1]
 
 
-def test_drafts_stop_at_max_tokens_and_max_model_len(tiny_folder, reference):
+def test_drafts_stop_at_max_tokens_and_max_model_len(tiny_llama_folder, reference):
     expected, _ = reference
     drafter = OracleProposer(sequences(expected), 4)
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
-    outputs, _, _ = run(tiny_folder, PROMPTS, params, drafter)
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, drafter)
     assert outputs == {i: tokens[:7] for i, tokens in expected.items()}
     # The longest prompt (50 tokens) may grow to max_model_len 60 only.
-    outputs, _, _ = run(tiny_folder, PROMPTS, GREEDY, drafter, max_model_len=60)
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, GREEDY, drafter, max_model_len=60)
     assert outputs["5"] == expected["5"][:10]
 
 
-def test_logprobs_of_accepted_drafts_equal_those_without_speculation(tiny_folder, reference):
+def test_logprobs_of_accepted_drafts_equal_those_without_speculation(tiny_llama_folder, reference):
     expected, _ = reference
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
 
     def logprobs(drafter):
-        args = dict(model=tiny_folder, max_model_len=256, kv_cache_memory_bytes="4MiB")
+        args = dict(model=tiny_llama_folder, max_model_len=256, kv_cache_memory_bytes="4MiB")
         core = EngineCore(EngineConfig.from_args(EngineArgs(**args)), drafter=drafter)
         core.add_request(EngineCoreRequest("0", PROMPTS[1], params, eos_token_id=None, arrival_time=0.0))
         entries = []
@@ -149,11 +141,11 @@ def test_logprobs_of_accepted_drafts_equal_those_without_speculation(tiny_folder
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
-def test_seeded_random_requests_are_reproducible_with_drafts(tiny_folder, reference):
+def test_seeded_random_requests_are_reproducible_with_drafts(tiny_llama_folder, reference):
     expected, _ = reference
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=100 + i)
               for i in range(len(PROMPTS))]
     drafter = OracleProposer(sequences(expected), 3)
-    first, _, _ = run(tiny_folder, PROMPTS, params, drafter)
-    second, _, _ = run(tiny_folder, PROMPTS, params, OracleProposer(sequences(expected), 3))
+    first, _, _ = run(tiny_llama_folder, PROMPTS, params, drafter)
+    second, _, _ = run(tiny_llama_folder, PROMPTS, params, OracleProposer(sequences(expected), 3))
     assert first == second and all(len(tokens) == 20 for tokens in first.values())
