@@ -2,9 +2,8 @@
 
 Benchmarks that time single engine steps drive ``LLM.engine_core`` themselves
 instead of calling ``LLM.generate``: they need to know which step produced
-which token, and to stop while requests are still decoding. The core takes
-requests as the frontend would hand them over (``EngineCoreRequest``) and
-validates nothing, so the prompts must fit the engine's limits.
+which token, and to stop while requests are still decoding. The requests go
+through the ``LLM``'s input processor first, as the frontend's do.
 """
 
 from __future__ import annotations
@@ -25,14 +24,13 @@ class CoreRequests:
     """
 
     def __init__(self, llm: Any, prompts: Sequence[Sequence[int]], params: Any, prefix: str) -> None:
-        from engine.request import EngineCoreRequest
-
         self.core = llm.engine_core
         #: request id -> output tokens so far.
         self.generated = {f"{prefix}-{i}": 0 for i in range(len(prompts))}
-        eos_token_id = llm.get_tokenizer().eos_token_id
         for request_id, prompt in zip(self.generated, prompts, strict=True):
-            self.core.add_request(EngineCoreRequest(request_id, list(prompt), params, eos_token_id, time.time()))
+            request = llm.processor.process(list(prompt), params)
+            for core_request in request.engine_core_requests([(request_id, request.sampling_params)], time.time()):
+                self.core.add_request(core_request)
 
     def step(self) -> int:
         """Run one engine step; returns the tokens it gave these requests."""

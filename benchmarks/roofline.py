@@ -5,8 +5,9 @@ the LM head, all layers' weights allocated so they stream from memory as in a
 real forward pass) at 16, 128 and 512 token rows, in each dtype the engine can
 serve in (bf16 runs on the CPU's bf16 dot-product instructions where it has
 them, so its peak is its own), through the engine's own linear layer and the
-linear method it picks (weights packed for oneDNN as the engine packs them). Bandwidth is a large tensor copy. Both use as
-many torch threads as this process may use cores.
+linear method it picks (weights packed for oneDNN as the engine packs them).
+Bandwidth is a large tensor copy. Both use as many torch threads as this
+process may use cores.
 
     python -m benchmarks.roofline --result-json benchmarks/results/roofline.json
 """

@@ -69,7 +69,7 @@ class EngineArgs:
     max_model_len: int | None = _arg(
         None, "Longest sequence (prompt + output); empty = the model's max_position_embeddings", "tokens")
     max_num_seqs: int = _arg(64, "Most requests running in one step", "requests")
-    max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step", "tokens")
+    max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step; at least max_num_seqs", "tokens")
     block_size: int = _arg(16, "Tokens per KV cache block", "tokens")
     enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes")
     long_prefill_token_threshold: int = _arg(

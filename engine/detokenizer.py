@@ -94,13 +94,21 @@ class IncrementalDetokenizer:
 
         Returns:
             The matched stop string, after which ``output_text`` has been cut right
-            before it (after it with ``include_stop_str_in_output``); else None.
+            before it (after it with ``include_stop_str_in_output``) and
+            ``output_token_ids`` ends with the token that completed it; else None.
 
         Raises:
             RuntimeError: when called again after a stop string was matched.
         """
         if self._stopped:
             raise RuntimeError("update() called after a stop string ended the output")
+        if len(new_token_ids) > 1 and self._stop:
+            # Several tokens in one step (accepted draft tokens): those after the token whose
+            # text completes a stop string would never have been generated one at a time.
+            for token_id in new_token_ids:
+                if (stop := self.update([token_id])) is not None:
+                    return stop
+            return None
         num_suppressed = max(0, self._min_tokens - len(self.output_token_ids))
         self._append(new_token_ids[:num_suppressed])
         check_from = len(self.output_text)

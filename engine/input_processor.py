@@ -67,10 +67,15 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         cache_config: the KV cache as allocated (``num_blocks`` filled in by the engine core).
         max_logprobs: the most logprobs a request may ask for, per token.
+
+    Raises:
+        ValueError: a ``cache_config`` whose ``num_blocks`` the engine core has not filled in.
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, cache_config: CacheConfig,
                  max_logprobs: int) -> None:
+        if cache_config.num_blocks < 2:
+            raise ValueError("cache_config.num_blocks is not set: build the processor from an engine core's config")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
@@ -107,9 +112,16 @@ class InputProcessor:
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
 
-    def process(self, prompt: PromptType, params: SamplingParams) -> ProcessedRequest:
+    def process(self, prompt: PromptType, params: SamplingParams,
+                default_max_tokens: int | None = None) -> ProcessedRequest:
         """Tokenize ``prompt`` and check the request; ``max_tokens`` None becomes all the context the prompt
-        leaves, at most the model's default ``max_tokens`` (its ``generation_config``) if it has one.
+        leaves, at most ``default_max_tokens``.
+
+        Args:
+            prompt: text, or token ids.
+            params: the request's sampling parameters (``n`` not yet fanned out).
+            default_max_tokens: caps an open ``max_tokens``: the server passes the model's default
+                (``generation_config``), as vLLM's server does; the offline ``LLM`` passes none, as vLLM's.
 
         Raises:
             InvalidRequestError: naming the field at fault (``prompt``, ``max_tokens``, ``logprobs``, ...):
@@ -119,7 +131,9 @@ class InputProcessor:
                 ``max_tokens``. With no field (None): a request that can outgrow the whole KV cache.
         """
         token_ids = self.tokenize(prompt)
-        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(token_ids), params.max_tokens))
+        # replace() runs SamplingParams' checks again, so min_tokens is checked against the resolved max_tokens.
+        params = dataclasses.replace(params, max_tokens=self._max_tokens(len(token_ids), params.max_tokens,
+                                                                         default_max_tokens))
         self._check_token_ids(token_ids, params)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -132,8 +146,8 @@ class InputProcessor:
                                       f"has ({self.kv_cache_tokens} tokens)", None)
         return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id)
 
-    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
-        """The output budget: ``requested``, or all the context the prompt leaves (capped by the model's default).
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None, default: int | None) -> int:
+        """The output budget: ``requested``, or all the context the prompt leaves (at most ``default``).
 
         The texts are vLLM's, giving both numbers.
         """
@@ -146,7 +160,6 @@ class InputProcessor:
                 f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.", "prompt")
         if requested is None:
             room = max_model_len - num_prompt_tokens
-            default = self.model_config.generation_defaults.get("max_tokens")
             return room if default is None else min(room, default)
         if num_prompt_tokens + requested > max_model_len:
             raise InvalidRequestError(

@@ -211,10 +211,13 @@ class OutputProcessor:
                 parent.prompt_logprobs = (parent.prompt_logprobs or []) + output.new_prompt_logprobs
             if output.num_cached_tokens:
                 parent.num_cached_tokens = output.num_cached_tokens
-        if child.logprobs is not None and output.new_logprobs:
-            child.logprobs.extend(output.new_logprobs)
-            child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs)
+        num_tokens = len(child.detokenizer.output_token_ids)
         stop = child.detokenizer.update(output.new_token_ids)
+        # A stop string may end before the step's last token (accepted draft tokens): drop the rest's logprobs.
+        num_new = len(child.detokenizer.output_token_ids) - num_tokens
+        if child.logprobs is not None and output.new_logprobs:
+            child.logprobs.extend(output.new_logprobs[:num_new])
+            child.cumulative_logprob += sum(lp.logprobs[0] for lp in output.new_logprobs[:num_new])
         if stop is not None:
             child.finish_reason, child.stop_reason = FinishReason.STOP.value, stop
         elif output.finish_reason is not None:

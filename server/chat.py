@@ -96,7 +96,7 @@ async def create_chat_completion(request: ChatCompletionRequest,
         token_ids = engine.processor.render_chat(conversation(request.messages), request.add_generation_prompt)
         params = request.to_sampling_params(requested, logprobs, request.prompt_logprobs,
                                             engine.default_sampling_params)
-        prompt = engine.processor.process(token_ids, params)
+        prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(prompt, request_id, kind)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS
-from engine.worker.sampler import SamplingMetadata
+from engine.worker.sampling_metadata import SamplingMetadata
 
 
 def _per_row(value: float | Sequence[float], batch_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -151,6 +151,15 @@ def test_stop_string_truncates_output(tokenizer, stop, include, expected_text, s
     assert detok.get_next_output_text(finished=True, delta=False) == expected_text
 
 
+def test_tokens_after_the_one_completing_a_stop_string_are_not_output(tokenizer):
+    """Regression: several tokens arrive in one step with speculative decoding; those after the stop
+    string's last token were kept in ``output_token_ids`` (and so in the response and its logprobs)."""
+    ids = encode(tokenizer, HELLO)
+    detok = make(tokenizer, stop=["w are y"])
+    assert detok.update(ids) == "w are y"
+    assert detok.output_token_ids == ids[:6] and detok.output_text == "Hello world, ho"
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 100])
 def test_earliest_completed_stop_string_wins(tokenizer, chunk_size):
     ids = encode(tokenizer, HELLO)

@@ -58,12 +58,12 @@ def test_token_ids_are_taken_as_given(processor: InputProcessor) -> None:
     assert request.sampling_params == SamplingParams(max_tokens=5, temperature=0.0)
 
 
-def test_open_max_tokens_takes_the_room_left_capped_by_the_models_default(tokenizer) -> None:
-    assert make_processor(tokenizer).process([1] * 10, SamplingParams(max_tokens=None)).sampling_params.max_tokens == 54
-    capped = make_processor(tokenizer, generation_defaults={"max_tokens": 5})
-    assert capped.process([1] * 10, SamplingParams(max_tokens=None)).sampling_params.max_tokens == 5
-    assert capped.process([1] * 61, SamplingParams(max_tokens=None)).sampling_params.max_tokens == 3
-    assert capped.process([1] * 10, SamplingParams(max_tokens=40)).sampling_params.max_tokens == 40
+def test_open_max_tokens_takes_the_room_left_capped_by_the_default(tokenizer) -> None:
+    processor = make_processor(tokenizer)
+    assert processor.process([1] * 10, SamplingParams(max_tokens=None)).sampling_params.max_tokens == 54
+    assert processor.process([1] * 10, SamplingParams(max_tokens=None), 5).sampling_params.max_tokens == 5
+    assert processor.process([1] * 61, SamplingParams(max_tokens=None), 5).sampling_params.max_tokens == 3
+    assert processor.process([1] * 10, SamplingParams(max_tokens=40), 5).sampling_params.max_tokens == 40
 
 
 @pytest.mark.parametrize(("prompt", "params", "param", "message"), [

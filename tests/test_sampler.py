@@ -20,7 +20,8 @@ from engine.worker.sample_ops import (
     process_logits,
     unpack_token_bitmask,
 )
-from engine.worker.sampler import Sampler, SamplingMetadata, compute_logprobs_tensors
+from engine.worker.sampler import Sampler, compute_logprobs_tensors
+from engine.worker.sampling_metadata import SamplingMetadata
 from tests.sampling_fixtures import expected_distribution, make_metadata, pack_bitmask
 
 # Ten logits in no particular order, so that "most likely" is not "lowest id".

@@ -299,3 +299,16 @@ def test_random_workload_keeps_invariants(reqs, num_blocks, budget, max_num_seqs
     for _, rid, prompt, max_tokens, _ in pending:
         if rid not in aborted:
             assert outputs[rid] == reference_tokens(prompt, max_tokens, VOCAB)
+
+
+def test_drafts_are_dropped_before_another_request_is_preempted_for_them():
+    sched, runner = make(num_blocks=5)  # 4 usable blocks of 16 tokens
+    sched.add_request(req("old", range(31), max_tokens=20))  # 31 + 1 tokens: blocks 1-2, full
+    sched.add_request(req("new", range(100, 131), max_tokens=20))  # blocks 3-4
+    step(sched, runner)
+    old = sched.requests["old"]
+    assert old.num_computed_tokens == 31 and sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    old.spec_token_ids = [1, 2, 3]  # would need a fifth block
+    so = sched.schedule()
+    assert not so.preempted_req_ids and so.scheduled_spec_decode_tokens == {}
+    assert so.num_scheduled_tokens == {"old": 1, "new": 1}

@@ -149,3 +149,12 @@ def test_seeded_random_requests_are_reproducible_with_drafts(tiny_llama_folder, 
     first, _, _ = run(tiny_llama_folder, PROMPTS, params, drafter)
     second, _, _ = run(tiny_llama_folder, PROMPTS, params, OracleProposer(sequences(expected), 3))
     assert first == second and all(len(tokens) == 20 for tokens in first.values())
+
+
+def test_drafts_with_prefix_cache_hits(tiny_llama_folder, reference):
+    expected, _ = reference
+    # The second copy of each prompt waits for a free row, then finds the first copy's blocks cached.
+    outputs, _, core = run(tiny_llama_folder, PROMPTS + PROMPTS, GREEDY, OracleProposer(sequences(expected), 3),
+                           block_size=4, max_num_seqs=6)
+    assert core.make_stats().prefix_cache_hits > 0
+    assert outputs == {str(i): expected[str(i % len(PROMPTS))] for i in range(2 * len(PROMPTS))}

@@ -106,7 +106,10 @@ class _FakeCore:
 
 def test_core_requests_are_added_as_the_frontend_would_and_counted_per_step() -> None:
     core = _FakeCore()
-    llm = SimpleNamespace(engine_core=core, get_tokenizer=lambda: SimpleNamespace(eos_token_id=2))
+    from engine.input_processor import ProcessedRequest
+
+    processor = SimpleNamespace(process=lambda prompt, params: ProcessedRequest(None, prompt, params, 2))
+    llm = SimpleNamespace(engine_core=core, processor=processor)
     params = object()
     requests = CoreRequests(llm, [[5, 6], (8,)], params, "p")
     assert list(core.requests) == ["p-0", "p-1"]

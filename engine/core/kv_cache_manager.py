@@ -65,6 +65,12 @@ class KVCacheManager:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens)`` would succeed now (a running request)."""
+        num_blocks = len(self.req_to_blocks.get(request.request_id, ()))
+        num_required = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        return num_required - num_blocks <= self.block_pool.get_num_free_blocks()
+
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Give ``request`` room for ``num_new_tokens`` more tokens.

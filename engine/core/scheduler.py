@@ -163,6 +163,10 @@ class Scheduler:
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
+            if request.spec_token_ids and not self.kv_cache_manager.can_allocate(request, num_new_tokens):
+                # Short of blocks: drop this request's drafts before preempting anyone for them.
+                request.spec_token_ids = []
+                num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
                 # Requests ahead of `index` are already scheduled; the victim is
                 # always the latest arrival, possibly this request itself.
@@ -301,7 +305,8 @@ class Scheduler:
                     new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time))
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
-        if self.drafter is not None:
+        # Grammars advance one token per step, so constrained decoding runs without drafts.
+        if self.drafter is not None and self.structured_output_manager is None:
             self._propose_drafts()
         return outputs
 

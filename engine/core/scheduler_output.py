@@ -71,7 +71,8 @@ class SchedulerOutput:
         total_num_scheduled_tokens: the sum of ``num_scheduled_tokens``; 0 for
             a cleanup-only step that just carries ``finished_req_ids``.
         finished_req_ids: requests finished since the previous step: the worker drops their state.
-        preempted_req_ids: requests preempted this step: the worker drops their rows.
+        preempted_req_ids: requests preempted this step, for observers (tests, step records); the
+            worker needs no list: it drops the row of every request the step does not run.
         scheduled_spec_decode_tokens: request id -> draft tokens it runs after its
             last token this step (speculative decoding); requests without drafts are absent.
     """

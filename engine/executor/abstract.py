@@ -46,7 +46,7 @@ class Executor(ABC):
 
         Returns:
             None when the step has tokens to sample (``sample_tokens`` follows), else the
-            step's (empty) output.
+            step's whole output (no tokens; prompt logprobs of partial prefills).
         """
 
     @abstractmethod

@@ -14,7 +14,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.worker.block_table import BlockTable
-from engine.worker.sampler import SamplingMetadata
+from engine.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass

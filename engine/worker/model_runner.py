@@ -110,10 +110,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
-        # Preempted requests keep their CachedRequestState (generator included) and come
-        # back resumed; so do running requests the budget left out of this step.
-        for req_id in so.preempted_req_ids:
-            batch.remove_request(req_id)
+        # Rows are kept only for the requests this step runs. Preempted requests, and running ones the
+        # budget left out, keep their CachedRequestState (generator included) and come back later.
         for req_id in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens]:
             batch.remove_request(req_id)
 
@@ -245,7 +243,12 @@ class ModelRunner:
 
         Returns:
             The step's output: 1 token per sampling request, or 1..k+1 for one with k drafts.
+
+        Raises:
+            RuntimeError: when the last ``execute_model`` left nothing to sample.
         """
+        if self._pending is None:
+            raise RuntimeError("sample_tokens() needs an execute_model() that returned None first")
         pending, self._pending = self._pending, None
         batch = self.input_batch
         sample_rows, output = pending.sample_rows, pending.output

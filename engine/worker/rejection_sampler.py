@@ -30,7 +30,8 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.worker.sample_ops import exponential_race, process_logits, sampling_probs
-from engine.worker.sampler import LogprobsTensors, SamplingMetadata, check_logits_shape, compute_logprobs_tensors
+from engine.worker.sampler import LogprobsTensors, check_logits_shape, compute_logprobs_tensors
+from engine.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass

@@ -23,10 +23,6 @@ from engine.outputs import TokenLogprobs
 from engine.worker.sample_ops import process_logits, sample_tokens
 from engine.worker.sampling_metadata import SamplingMetadata
 
-# SamplingMetadata is re-exported: the model runner imports it from here.
-__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata", "check_logits_shape",
-           "compute_logprobs_tensors"]
-
 
 @dataclass
 class LogprobsTensors:
