@@ -37,6 +37,7 @@ from typing import NamedTuple
 from engine.config import EngineArgs, EngineConfig
 from engine.core.scheduler import SchedulerStats
 from engine.engine_core import EngineCore
+from engine.errors import RequestFailedError
 from engine.input_processor import InputProcessor, ProcessedRequest
 from engine.metrics.loggers import StatLogger
 from engine.metrics.stats import IterationStats, RequestStatsTracker
@@ -173,11 +174,13 @@ class AsyncLLM:
         self._num_applied += 1
         try:
             self.engine_core.add_request(item.request)
-        except ValueError as exc:
+        except Exception as exc:  # noqa: BLE001
             # The processor checked the request and the output processor its id, so this is a bug or a
             # race; it must fail that request only, not the engine every client shares.
             logger.exception("rejected request %s on the engine thread", item.request.request_id)
-            self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, exc)
+            error = exc if isinstance(exc, ValueError) else RequestFailedError(
+                f"request {item.parent_request_id} failed: {exc!r}")
+            self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, error)
         return False
 
     # ------------------------------------------------------------------ event loop
@@ -202,6 +205,8 @@ class AsyncLLM:
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
                 stream.put_nowait(request_output)
+        for request_id, message in processed.failed.items():
+            self._fail_request(request_id, RequestFailedError(f"request {request_id} failed: {message}"))
         self._record(scheduler_stats, self._request_stats.make_iteration_stats(
             outputs, processed.reqs_to_abort, scheduler_stats, time.monotonic()))
 
@@ -242,9 +247,11 @@ class AsyncLLM:
             ValueError: a request id in use.
             QueueFullError: too many requests waiting.
             EngineDeadError: the engine is not running.
+            RequestFailedError: the engine failed this request alone (it goes on with the others).
         """
         self._raise_if_unavailable()
-        if self.num_waiting_requests() >= self._max_waiting_requests:
+        # All n completions must fit: one request could otherwise overshoot the limit by n - 1.
+        if self.num_waiting_requests() + request.sampling_params.n > self._max_waiting_requests:
             raise QueueFullError(f"more than {self._max_waiting_requests} requests are waiting; retry later")
         children = self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids,
                                                      request.sampling_params, output_kind)

@@ -5,6 +5,12 @@ logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
 ``update_from_output()``. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
 applies new requests and aborts between steps. The core touches no device and
 no torch: the executor does.
+
+A fault in one request's own data (its worker state, its row's inputs, its sampling, the
+scheduler's accounting of its tokens) fails that request alone: it ends with ``FinishReason.ERROR``
+and ``EngineCoreOutput.error``, its blocks are freed, and the step goes on for the others. What
+``step()`` raises (the forward pass, a device error, a scheduler bug) cannot be blamed on a
+request: the engine is then unusable.
 """
 
 from __future__ import annotations
@@ -84,7 +90,13 @@ class EngineCore:
         return self.scheduler.has_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run, sample and account one step. Returns the requests' new tokens."""
+        """Schedule, run, sample and account one step. Returns the requests' new tokens, and the
+        requests failed this step (``error`` set).
+
+        Raises:
+            Exception: a fault no request can be blamed for (the forward pass, the device); the
+                engine cannot step again.
+        """
         if not self.scheduler.has_requests():
             return []
         with region("engine_core.step"):

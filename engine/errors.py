@@ -1,4 +1,4 @@
-"""Errors the engine's frontend raises for a request it refuses."""
+"""Errors the engine's frontends raise for one request: refused at the door, or failed while it ran."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ class InvalidRequestError(ValueError):
         if self.param is not None and self.message.startswith(f"{self.param} "):
             return name + self.message[len(self.param):]
         return self.message
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (a fault in its own state, inputs or sampling); it goes on
+    serving the others."""

@@ -10,10 +10,15 @@ what it is given without checking it again.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -27,6 +32,51 @@ from engine.sampling_params import SamplingParams
 
 #: A prompt as text, or as token ids.
 PromptType = str | list[int]
+
+#: Inputs of more characters than this are tokenized (or rendered) on a worker thread: a few ms of work
+#: on the event loop is cheaper than a thread hop, tens of ms would hold up every other client.
+OFF_LOOP_CHARS = 32_768
+#: How many characters one token may stand for, over the longest token in the vocabulary: headroom for
+#: normalizers that merge characters (NFKC), so that the cheap length check never refuses a prompt that fits.
+_CHARS_PER_TOKEN_HEADROOM = 2
+
+_T = TypeVar("_T")
+# One thread: large inputs queue up behind each other instead of taking every core from the engine.
+_tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the OS.
+
+    Tokenizing a large input makes many small allocations; once they are freed glibc keeps the pages,
+    and the process's RSS would stay up by as much as the largest request ever made it grow.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+async def _run_sized(num_chars: int, function: Callable[..., _T], *args: Any) -> _T:
+    """``function(*args)``: inline for small inputs, on the tokenizer thread (then trimming the heap)
+    for inputs above ``OFF_LOOP_CHARS`` characters, so that the event loop keeps serving other clients."""
+    if num_chars <= OFF_LOOP_CHARS:
+        return function(*args)
+
+    def run_and_trim() -> _T:
+        try:
+            return function(*args)
+        finally:
+            release_memory()
+
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, run_and_trim)
 
 
 @dataclass(frozen=True)
@@ -95,6 +145,55 @@ class InputProcessor:
         tokenizer = load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
         return cls(model_config, tokenizer, config.cache_config, config.args.max_logprobs)
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters of input one token can stand for (read from the vocabulary on first use)."""
+        return _longest_token_chars(self.tokenizer) * _CHARS_PER_TOKEN_HEADROOM
+
+    def check_length(self, num_chars: int, param: str) -> None:
+        """Refuse, without tokenizing, an input too long to fit ``max_model_len`` whatever its tokens.
+
+        No token stands for more than ``max_chars_per_token`` characters, so ``num_chars`` characters
+        are at least ``num_chars / max_chars_per_token`` tokens.
+
+        Raises:
+            InvalidRequestError: (``param``) when those are ``max_model_len`` tokens or more.
+        """
+        max_model_len = self.model_config.max_model_len
+        min_tokens = num_chars // self.max_chars_per_token
+        if min_tokens >= max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{num_chars} characters of input, at least {min_tokens} tokens. Please reduce the length of "
+                "the input messages.", param)
+
+    async def tokenize_async(self, prompt: PromptType, param: str = "prompt") -> list[int]:
+        """``tokenize``, after ``check_length``; a large prompt is tokenized off the event loop."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.check_length(len(prompt), param)
+        return await _run_sized(len(prompt), self.tokenize, prompt)
+
+    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]],
+                                add_generation_prompt: bool = True) -> list[int]:
+        """``render_chat``, after ``check_length`` on the messages' text; a large conversation is rendered
+        off the event loop.
+
+        Raises:
+            InvalidRequestError: (``messages``) as ``render_chat``, or too long to fit ``max_model_len``.
+        """
+        num_chars = sum(len(str(message.get("content") or "")) for message in messages)
+        self.check_length(num_chars, "messages")
+        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt)
+
+    async def process_async(self, prompt: PromptType, params: SamplingParams,
+                            default_max_tokens: int | None = None) -> ProcessedRequest:
+        """``process``, after ``check_length``; a large prompt is tokenized off the event loop."""
+        num_chars = len(prompt) if isinstance(prompt, str) else 0
+        if num_chars:
+            self.check_length(num_chars, "prompt")
+        return await _run_sized(num_chars, self.process, prompt, params, default_max_tokens)
+
     def tokenize(self, prompt: PromptType) -> list[int]:
         """The token ids of a text prompt (with the special tokens the tokenizer adds), or the ids given."""
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -128,9 +227,11 @@ class InputProcessor:
                 an empty prompt; a prompt of ``max_model_len`` tokens or more; prompt + ``max_tokens`` beyond
                 ``max_model_len``; token ids (prompt, ``stop_token_ids``, ``logit_bias``) outside the
                 vocabulary; more logprobs than ``max_logprobs``; ``min_tokens`` above the resolved
-                ``max_tokens``. With no field (None): a request that can outgrow the whole KV cache.
+                ``max_tokens``; a request that can outgrow the whole KV cache (``max_tokens``, or ``prompt``
+                when ``max_tokens`` was left open).
         """
         token_ids = self.tokenize(prompt)
+        requested_max_tokens = params.max_tokens
         # replace() runs SamplingParams' checks again, so min_tokens is checked against the resolved max_tokens.
         params = dataclasses.replace(params, max_tokens=self._max_tokens(len(token_ids), params.max_tokens,
                                                                          default_max_tokens))
@@ -141,9 +242,11 @@ class InputProcessor:
                 raise InvalidRequestError(f"{name} must be <= {self.max_logprobs} (max_logprobs), got {value}", name)
         max_len = len(token_ids) + params.max_tokens
         if max_len > self.kv_cache_tokens:
-            # Otherwise it would be preempted forever once it had grown to fill the cache alone.
+            # Otherwise it would be preempted forever once it had grown to fill the cache alone. The client
+            # can fix it by asking for fewer tokens; an open max_tokens is all the room the prompt leaves.
+            param = "prompt" if requested_max_tokens is None else "max_tokens"
             raise InvalidRequestError(f"a request of up to {max_len} tokens needs more KV cache than the engine "
-                                      f"has ({self.kv_cache_tokens} tokens)", None)
+                                      f"has ({self.kv_cache_tokens} tokens)", param)
         return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id)
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, default: int | None) -> int:
@@ -174,3 +277,12 @@ class InputProcessor:
                                 ("logit_bias", list(params.logit_bias or ()))):
             if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
                 raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
+
+
+def _longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters of text one token of the vocabulary (added tokens included) stands for.
+
+    Vocabulary strings are at least as long as the text they match: byte-level BPE spells each byte as
+    one character, SentencePiece its byte-fallback tokens as ``<0xNN>``.
+    """
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from engine.config import EngineArgs, EngineConfig
 from engine.engine_core import EngineCore
+from engine.errors import RequestFailedError
 from engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
@@ -64,6 +65,8 @@ class LLM:
             InvalidRequestError: a request the engine could never run (see ``InputProcessor.process``);
                 then no prompt is queued.
             ValueError: as many sampling params as prompts are needed.
+            RequestFailedError: the engine failed one request (a fault in its own state or sampling);
+                the others are aborted, since the call returns all or nothing.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -103,11 +106,20 @@ class LLM:
                 processed = self.output_processor.process_outputs(self.engine_core.step())
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
+                if processed.failed:
+                    # The call cannot return a complete list: stop the others and say which one failed.
+                    self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+                    self._drain()
+                    request_id, message = next(iter(processed.failed.items()))
+                    raise RequestFailedError(f"request {request_id} failed: {message}")
                 for output in processed.request_outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         progress.update(1)
-        # Let the worker drop the finished requests' state now rather than at the next call.
+        self._drain()
+        return [finished[r] for r in request_ids]
+
+    def _drain(self) -> None:
+        """Let the worker drop finished requests' state now rather than at the next call."""
         while self.engine_core.has_unfinished_requests():
             self.engine_core.step()
-        return [finished[r] for r in request_ids]

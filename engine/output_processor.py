@@ -48,11 +48,14 @@ class ProcessedOutputs:
     Attributes:
         request_outputs: one per parent request that has something to report.
         reqs_to_abort: child request ids finished here by a stop string, which
-            the engine core is still running and must abort.
+            the engine core is still running and must abort; and the siblings of failed children.
+        failed: parent request id -> why the engine failed one of its children. The parent is
+            forgotten (its other children are in ``reqs_to_abort``); its caller must raise.
     """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -146,7 +149,8 @@ class OutputProcessor:
         """Applies one engine step's outputs and builds what to report.
 
         Outputs of unknown children (aborted here, or finished by a stop string
-        while the core was still running them) are ignored.
+        while the core was still running them) are ignored. A child the engine failed
+        (``EngineCoreOutput.error``) fails its whole parent: one completion of ``n`` is no answer.
 
         Args:
             outputs: at most one per child request, as the engine core emits them.
@@ -160,6 +164,12 @@ class OutputProcessor:
         for output in outputs:
             child = self._children.get(output.request_id)
             if child is None:
+                continue
+            if output.error is not None:
+                parent_id = child.parent.request_id
+                processed.failed[parent_id] = output.error
+                processed.reqs_to_abort += [c for c in self.abort_requests([parent_id]) if c != output.request_id]
+                advanced.pop(parent_id, None)
                 continue
             if self._apply(child, output):
                 processed.reqs_to_abort.append(child.request_id)

@@ -17,6 +17,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"      # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"    # client went away, or the engine shut down
+    ERROR = "error"    # the engine failed this request alone (EngineCoreOutput.error says why)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class ModelRunnerOutput:
             (None for requests that asked for none).
         prompt_logprobs: request id -> logprobs of the prompt positions
             computed this step (None for position 0, which has no logprob).
+        failed_req_ids: request id -> error message, for the scheduled requests whose own state,
+            inputs or sampling raised this step. The worker has dropped their state already; any
+            entries they still have in the lists above are to be ignored.
     """
 
     req_ids: list[str]
@@ -54,6 +58,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -73,6 +78,7 @@ class EngineCoreOutput:
         new_prompt_logprobs: prompt logprobs computed this step when asked for.
         first_scheduled_time: ``time.monotonic()`` seconds when the scheduler first
             gave the request tokens (for the queue-time metric).
+        error: why the engine failed the request, with ``finish_reason`` ``ERROR``; None otherwise.
     """
 
     request_id: str
@@ -83,6 +89,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_scheduled_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,17 @@ from engine.errors import InvalidRequestError
 
 #: Samplers treat temperatures below this as greedy (argmax) decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5
+#: Largest temperature: far above any useful one (OpenAI's maximum is 2), small enough that the logits
+#: divided by it stay normal float32 numbers.
+MAX_TEMPERATURE = 100.0
+#: ``repetition_penalty``'s range: divides or multiplies float32 logits, which a penalty nearer 0 or
+#: infinity would turn into 0 or infinity (NaN probabilities).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+#: ``seed``'s range, ``torch.Generator.manual_seed``'s: ``[-2**63, 2**64)``. Sibling ``i`` of ``n``
+#: is seeded ``seed + i``, so the seed must leave room for ``n - 1`` more.
+MIN_SEED, SEED_END = -(2**63), 2**64
+#: ``top_k`` is held in int64 arrays; any value from the vocabulary size up means no limit.
+MAX_TOP_K = 2**63 - 1
 
 
 @dataclass
@@ -16,12 +27,13 @@ class SamplingParams:
 
     Attributes:
         n: number of completions for the prompt (>= 1).
-        temperature: softmax temperature (>= 0); 0 means greedy decoding.
+        temperature: softmax temperature in [0, ``MAX_TEMPERATURE``]; 0 means greedy decoding.
         top_p: nucleus sampling mass in (0, 1].
-        top_k: keep the k most likely tokens; 0 or -1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disables it, as does any value from the vocabulary
+            size up to ``MAX_TOP_K``.
         min_p: drop tokens whose probability is below ``min_p`` x the top one, in [0, 1].
         seed: seeds a per-request generator so the output is reproducible
-            whatever else is in the batch.
+            whatever else is in the batch; in [-2**63, 2**64 - n] (``MIN_SEED``, ``SEED_END``).
         stop: strings that end the output when generated (not included unless
             ``include_stop_str_in_output``).
         stop_token_ids: token ids that end the output (the token is kept).
@@ -30,7 +42,7 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         presence_penalty: OpenAI presence penalty in [-2, 2] over output tokens.
         frequency_penalty: OpenAI frequency penalty in [-2, 2] over output tokens.
-        repetition_penalty: HF / CTRL repetition penalty (> 0; 1 = off) over
+        repetition_penalty: HF / CTRL repetition penalty in [0.01, 100] (1 = off) over
             prompt and output tokens (Keskar et al. 2019, arXiv:1909.05858).
         logit_bias: token id -> bias in [-100, 100] added to the logits.
         logprobs: number of top logprobs per output token (0 = only the sampled one).
@@ -39,7 +51,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string in the text.
 
     Raises:
-        InvalidRequestError: on any value outside its range; ``param`` names the field.
+        InvalidRequestError: on any value outside its range (NaN and infinities included); ``param``
+            names the field.
     """
 
     n: int = 1
@@ -79,11 +92,14 @@ class SamplingParams:
                 raise InvalidRequestError(f"{name} must be {allowed}, got {getattr(self, name)!r}", name)
 
         check(self.n >= 1, "n", ">= 1")
+        # Written so that NaN fails every range (any comparison with it is false).
         check(self.temperature >= 0.0, "temperature", ">= 0")
+        check(self.temperature <= MAX_TEMPERATURE, "temperature", f"<= {MAX_TEMPERATURE:g}")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
-        check(self.top_k >= 0, "top_k", ">= 1, or 0 / -1 to disable")
+        check(0 <= self.top_k <= MAX_TOP_K, "top_k", f"in [1, {MAX_TOP_K}], or 0 / -1 to disable")
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer")
+        check(self.seed is None or (isinstance(self.seed, int) and MIN_SEED <= self.seed <= SEED_END - self.n),
+              "seed", f"an integer in [-2**63, 2**64 - n] ({SEED_END - self.n} for n = {self.n})")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
         check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1")
@@ -93,6 +109,8 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0")
+        check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+              f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         check(all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
               "logit_bias", "a map of token ids to biases in [-100, 100]")
         check(all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "keyed by non-negative token ids")

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -29,6 +30,7 @@ from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.errors import (
     BodySizeLimitMiddleware,
+    ErrorResponse,
     OpenAIError,
     add_exception_handlers,
     bad_request,
@@ -42,7 +44,9 @@ from server.metrics import engine_stats
 from server.metrics import router as metrics_router
 from server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -85,6 +89,9 @@ class ServerArgs:
     log_stats_interval_s: float = _arg(
         5.0, "While the engine is busy, log throughput, queue, KV cache and prefix-cache stats this often; "
         "0 = off", "seconds")
+    disable_fastapi_docs: bool = _arg(
+        False, "Serve no /docs, /redoc nor /openapi.json; they stay open otherwise, api_key or not, as in "
+        "vLLM (they describe the API, not its data)")
 
     def __post_init__(self) -> None:
         self.max_request_body_bytes = parse_size(self.max_request_body_bytes)
@@ -101,9 +108,10 @@ class ServerArgs:
 
 
 class APIKeyMiddleware:
-    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``.
+    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``,
+    and 400 when it carries more than one ``Authorization`` header.
 
-    ``/health``, ``/version`` and ``/metrics`` stay open for probes and scrapers.
+    ``/health``, ``/version``, ``/metrics`` and the docs stay open for probes, scrapers and readers.
     CORS preflights carry no credentials: the CORS middleware, outside this one, answers them.
     """
 
@@ -117,14 +125,41 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(given) > 1:
+                # Proxies and frameworks disagree on which one counts: refuse rather than guess.
+                error = OpenAIError(HTTPStatus.BAD_REQUEST, "Send one Authorization header, not "
+                                    f"{len(given)}.", code="duplicate_authorization")
+                await error.response()(scope, receive, send)
+                return
             # Constant time, so that response timing does not reveal how much of a guess was right.
-            if not hmac.compare_digest(given, self.expected):
+            if not hmac.compare_digest(given[0] if given else b"", self.expected):
                 error = OpenAIError(HTTPStatus.UNAUTHORIZED, "Invalid or missing API key: send "
                                     "'Authorization: Bearer <key>'.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error statuses a route answers, each with OpenAI's error body."""
+    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+
+
+#: Every body a POST route reads can be refused as invalid (400) or too large (413).
+_BODY_ERRORS = (HTTPStatus.BAD_REQUEST, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+#: What a generation route answers besides its own: an unknown model, a full queue, an engine down.
+_GENERATION_ERRORS = _errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS,
+                             HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+def _generation_responses(response: type, description: str) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a generation route: ``response`` as JSON, or with ``stream`` a server-sent event
+    stream of its chunks, then ``data: [DONE]``; and its errors."""
+    stream = {"schema": {"type": "string", "description": "Server-sent events: 'data: <chunk JSON>' each, "
+                         "then 'data: [DONE]'; an error after the first chunk is 'data: {\"error\": ...}'."}}
+    return {200: {"model": response, "description": description, "content": {"text/event-stream": stream}},
+            **_GENERATION_ERRORS}
 
 
 def _engine(request: Request) -> AsyncLLM:
@@ -162,12 +197,14 @@ async def _cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, A
     return work.result()
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=_generation_responses(
+    CompletionResponse, "The completion, or with stream a stream of CompletionResponse chunks"))
 async def completions(body: CompletionRequest, request: Request, engine: Engine) -> Any:
     return await _cancel_on_disconnect(request, create_completion(body, engine))
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses=_generation_responses(
+    ChatCompletionResponse, "The chat completion, or with stream a stream of ChatCompletionChunk"))
 async def chat_completions(body: ChatCompletionRequest, request: Request, engine: Engine) -> Any:
     return await _cancel_on_disconnect(request, create_chat_completion(body, engine))
 
@@ -178,7 +215,7 @@ async def models(engine: Engine) -> ModelList:
 
 
 # ``:path``: a hub id has a slash (``org/name``), which the openai SDK sends as %2F.
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=_errors(HTTPStatus.NOT_FOUND))
 async def retrieve_model(model_id: str, engine: Engine) -> ModelCard:
     """OpenAI's retrieve-model: the served model's card; 404 ``model_not_found`` for any other id."""
     if model_id != engine.model_name:
@@ -186,7 +223,9 @@ async def retrieve_model(model_id: str, engine: Engine) -> ModelCard:
     return ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response, responses={
+    200: {"description": "The engine is running; the body is empty", "content": None},
+    **_errors(HTTPStatus.SERVICE_UNAVAILABLE)})
 async def health(request: Request) -> Response:
     """200 once the engine has started (model loaded, KV cache allocated, thread running) and
     while its thread runs and accepts requests; 503 before, after a crash and during shutdown."""
@@ -202,7 +241,7 @@ async def version() -> dict[str, str]:
     return {"version": __version__}
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND))
 async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     """Token ids of a prompt, or of chat messages rendered with the chat template."""
     check_model(body.model, engine.model_name)
@@ -210,19 +249,46 @@ async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.")
     with engine_errors():
+        # Large inputs are refused by length or tokenized off the event loop, as in the generation routes.
         if body.messages is not None:
-            tokens = engine.processor.render_chat(conversation(body.messages), body.add_generation_prompt)
+            tokens = await engine.processor.render_chat_async(conversation(body.messages), body.add_generation_prompt)
         else:
-            tokens = engine.processor.tokenize(body.prompt)
+            tokens = await engine.processor.tokenize_async(body.prompt)
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND))
 async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeResponse:
     check_model(body.model, engine.model_name)
     check_fields(body)
     check_token_ids(body.tokens, len(engine.tokenizer), "tokens")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+
+
+def _install_openapi(app: FastAPI, api_key_set: bool) -> None:
+    """Make the spec say what the server answers: no 422 (validation errors are 400s, see
+    ``server.errors``), a 401 on the protected routes when an API key is set, and /metrics as
+    Prometheus text."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            unauthorized = {"description": "Unauthorized", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+                    if api_key_set and APIKeyMiddleware._protected(path):
+                        operation["responses"]["401"] = unauthorized
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            metrics = schema["paths"].get("/metrics", {}).get("get")
+            if metrics is not None:
+                metrics["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | None = None,
@@ -284,8 +350,12 @@ def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | N
     if server_args.api_key:
         middleware.append(Middleware(APIKeyMiddleware, api_key=server_args.api_key))
     middleware.append(Middleware(BodySizeLimitMiddleware, max_body_bytes=server_args.max_request_body_bytes))
-    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, middleware=middleware)
+    docs: dict[str, Any] = {}
+    if server_args.disable_fastapi_docs:
+        docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, middleware=middleware, **docs)
     add_exception_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    _install_openapi(app, bool(server_args.api_key))
     return app

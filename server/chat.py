@@ -93,9 +93,11 @@ async def create_chat_completion(request: ChatCompletionRequest,
     requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     with engine_errors(client_names):
-        token_ids = engine.processor.render_chat(conversation(request.messages), request.add_generation_prompt)
         params = request.to_sampling_params(requested, logprobs, request.prompt_logprobs,
                                             engine.default_sampling_params)
+        # Checked by length, then rendered off the event loop when large: other clients never wait on it.
+        token_ids = await engine.processor.render_chat_async(conversation(request.messages),
+                                                             request.add_generation_prompt)
         prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY

@@ -13,6 +13,7 @@ the dataclass defaults.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import logging.config
@@ -33,9 +34,12 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from server.app import ServerArgs, build_app
 from server.config_table import SETTINGS_CLASSES, shown_default
+from server.connections import GuardedH11Protocol
 from server.logging_config import log_config
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+#: After the drain timeout, how long the requests still running have to send their error and close.
+CUT_GRACE_S = 5.0
 logger = logging.getLogger(__name__)
 
 
@@ -144,6 +148,37 @@ def resolve_settings(args: argparse.Namespace,
             ServerArgs(**{k: v for k, v in settings.items() if k not in engine_names}))
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, ending the requests still running at the drain deadline with an error.
+
+    uvicorn cancels them instead, which cuts a stream mid-body: the client cannot tell it from a finish.
+    Here the engine stops first (``AsyncLLM.shutdown``), so every open stream sends an error event
+    (``"the server shut down"``) and ``data: [DONE]``, and a request not yet answered gets a 503;
+    uvicorn's own timeout, ``CUT_GRACE_S`` later, is left for requests stuck elsewhere.
+    """
+
+    def __init__(self, config: uvicorn.Config, app: Any, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._app = app
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.create_task(self._end_requests_after_drain())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    async def _end_requests_after_drain(self) -> None:
+        await asyncio.sleep(self.drain_timeout_s)
+        engine: AsyncLLM | None = getattr(self._app.state, "engine", None)
+        if engine is not None:
+            logger.info("the drain timeout (%.0f s) has passed: ending the requests still running",
+                        self.drain_timeout_s)
+            # The app's lifespan shuts it down again after uvicorn: a no-op by then, bar joining its thread.
+            await engine.shutdown(0)
+
+
 class StartupError(Exception):
     """Why the server cannot start, in one line for the operator (exit code 2)."""
 
@@ -168,7 +203,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then let in-flight requests finish (up to
-    ``shutdown_timeout``), abort the rest and stop the engine.
+    ``shutdown_timeout``), end the rest with an error (an SSE error event and ``[DONE]`` for a stream)
+    and stop the engine. Slow clients are cut off (``server.connections``).
 
     Returns:
         The process's exit code: 0 after a stop, 1 when the engine died (the server stops at once,
@@ -195,9 +231,10 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     AppStatus.disable_automatic_graceful_drain()
     app = build_app(server_args=server_args, loaded=loaded, on_engine_death=stop_on_engine_death)
     # uvicorn applies the logging config at start-up; the CLI applied the same one before loading the model.
-    server = uvicorn.Server(uvicorn.Config(app, timeout_graceful_shutdown=server_args.shutdown_timeout,
-                                           log_config=log_config(server_args.log_format),
-                                           access_log=server_args.access_log))
+    config = uvicorn.Config(app, timeout_graceful_shutdown=server_args.shutdown_timeout + CUT_GRACE_S,
+                            log_config=log_config(server_args.log_format), access_log=server_args.access_log,
+                            http=GuardedH11Protocol)
+    server = _DrainingServer(config, app, server_args.shutdown_timeout)
     # uvicorn names the address only when it binds the socket itself.
     logger.info("listening on http://%s:%d once the application has started", *sock.getsockname()[:2])
     server.run(sockets=[sock])

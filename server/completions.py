@@ -136,7 +136,8 @@ async def create_completion(request: CompletionRequest,
                                             defaults=engine.default_sampling_params)
         # Every prompt is checked before any is queued.
         default_max_tokens = engine.default_sampling_params.get("max_tokens")
-        prompts = [engine.processor.process(p, params, default_max_tokens) for p in raw_prompts]
+        # Each checked by length, then tokenized off the event loop when large.
+        prompts = [await engine.processor.process_async(p, params, default_max_tokens) for p in raw_prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = _merge([engine.generate(p, f"{request_id}-{i}", kind) for i, p in enumerate(prompts)])

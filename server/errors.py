@@ -17,16 +17,38 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.async_llm import EngineDeadError, QueueFullError
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for the OpenAPI spec (``OpenAIError.body`` writes it)."""
+
+    error: ErrorDetail
+
+
+class _ASCIIJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: text quoting the client's input then always encodes,
+    even a lone surrogate (``JSONResponse`` writes UTF-8, which has none: a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 class OpenAIError(Exception):
@@ -55,8 +77,8 @@ class OpenAIError(Exception):
     def to_json(self) -> str:
         return json.dumps(self.body())
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return _ASCIIJSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -96,7 +118,8 @@ def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[Non
 
     ``InvalidRequestError`` (invalid sampling parameters, a prompt the engine
     refuses) -> 400 naming its field; any other ``ValueError`` (a request id
-    in use) -> 400; ``QueueFullError`` -> 429; ``EngineDeadError`` -> 503.
+    in use) -> 400; ``QueueFullError`` -> 429; ``RequestFailedError`` (the engine failed this request
+    alone) -> 500; ``EngineDeadError`` -> 503.
 
     Args:
         client_names: engine-side field (``InvalidRequestError.param``) -> the request field the client
@@ -109,6 +132,8 @@ def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[Non
         raise OpenAIError(HTTPStatus.TOO_MANY_REQUESTS, str(exc), code="queue_full") from exc
     except EngineDeadError as exc:
         raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
+    except RequestFailedError as exc:
+        raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), code="request_failed") from exc
     except InvalidRequestError as exc:
         param = (client_names or {}).get(exc.param, exc.param)
         raise bad_request(exc.message if param is None else exc.message_naming(param), param) from exc
@@ -147,8 +172,7 @@ def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) and exc.detail != status.phrase else (
         f"{status.phrase}: {request.method} {request.url.path}")
     code = status.phrase.lower().replace(" ", "_")
-    return JSONResponse(OpenAIError(exc.status_code, message, code=code).body(), status_code=exc.status_code,
-                        headers=exc.headers)
+    return OpenAIError(exc.status_code, message, code=code).response(exc.headers)
 
 
 def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -156,7 +180,9 @@ def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
 
 
 def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error in %s %s", request.method, request.url.path)
+    # exc_info=exc, not logger.exception: Starlette runs this sync handler in a thread, outside the
+    # ``except`` block, where there is no current exception to log (the log said "NoneType: None").
+    logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {exc!r}").response()
 
 

@@ -5,7 +5,13 @@ change the output but is not implemented (tools, structured output, ...) is
 refused with a 400 naming it, from one table, ``UNSUPPORTED_FIELDS``. Any other
 unknown field is accepted, as OpenAI-compatible servers do so that clients
 written for other servers (e.g. llama.cpp's ``n_predict``) still work, and
-logged once per field name, as vLLM does. Sampling values are range-checked by
+logged once per field name, as vLLM does.
+
+Types are strict (``StrictInt``, ``StrictBool``, ``Text``, ``Number``): no string
+or bool is coerced into a number, nor a number into a bool; a float field takes
+an int. Floats must be finite (JSON has no infinity, but ``1e400`` parses to
+one). Strings may not hold lone surrogates (``"\\ud800"``), anywhere in the body,
+field names included (``check_text``). Sampling values are range-checked by
 ``SamplingParams``, not here, so that there is one set of rules whichever
 frontend builds the request.
 """
@@ -17,9 +23,20 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from sse_starlette import EventSourceResponse
 
 from engine.outputs import FinishReason, TokenLogprobs
@@ -32,9 +49,54 @@ logger = logging.getLogger(__name__)
 MAX_N = 128
 
 
+#: A float request field: finite, an int accepted, a bool or a string refused.
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: A string request field (lone surrogates are refused for the whole body by ``check_text``).
+Text = StrictStr
+
+
 class OpenAIBaseModel(BaseModel):
     # Unknown fields are kept, in ``model_extra``, so that ``check_fields`` can refuse or log them.
     model_config = ConfigDict(extra="allow")
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path (list indexes included) of the first string in ``value``, key or value, that
+    cannot be encoded as UTF-8 (a lone surrogate); None when every one can."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        # Escaped, so that the path itself (quoted in the error) is valid text.
+        name = key.encode(errors="backslashreplace").decode() if isinstance(key, str) else str(key)
+        child = f"{path}.{name}" if path else name
+        if isinstance(key, str) and _surrogate_path(key) is not None:
+            return child
+        found = _surrogate_path(item, child)
+        if found is not None:
+            return found
+    return None
+
+
+class RequestBody(OpenAIBaseModel):
+    """A request body: refused whole with a 400 naming the field when a string in it is not valid
+    Unicode text, before any field is read (``json.loads`` lets ``"\\ud800"`` through, and such a string
+    fails later, in the tokenizer or in the UTF-8 of an error message that quotes it: a 500)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_text(cls, data: Any) -> Any:
+        path = _surrogate_path(data)
+        if path is not None:
+            # Not a ValueError: pydantic's error would drop the path below this model's fields.
+            where = f"'{path}'" if path else "the request body"
+            raise bad_request(f"Invalid value for {where}: strings must be valid Unicode text "
+                              "(a lone UTF-16 surrogate such as \\ud800 is not)", path or None)
+        return data
 
 
 # --------------------------------------------------------------------------- fields not served
@@ -114,39 +176,39 @@ def check_fields(request: BaseModel) -> None:
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class SamplingRequest(RequestBody):
     """The fields completions and chat share: the model, streaming and sampling.
 
     A field left out or sent as ``null`` takes the model's default (``--generation-config``),
     else ``SamplingParams``'.
     """
 
-    model: str | None = None
-    stream: bool = False
+    model: Text | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    n: int | None = None
-    best_of: int | None = None  # accepted when equal to n: the engine returns every completion it makes
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None  # JSON keys are strings; pydantic turns them into ints
+    user: Text | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None  # accepted when equal to n: the engine returns every completion it makes
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: StrictInt | None = None
+    stop: Text | list[Text] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[int, Number] | None = None  # JSON keys are strings; pydantic turns them into ints
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None  # top logprobs per prompt token, in vLLM's shape; not streamed
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    prompt_logprobs: StrictInt | None = None  # top logprobs per prompt token, in vLLM's shape; not streamed
 
     @property
     def include_usage(self) -> bool:
@@ -198,16 +260,16 @@ _SAMPLING_FIELDS = (
     "skip_special_tokens", "include_stop_str_in_output",
 )
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: PromptInput
-    max_tokens: int | None = 16  # OpenAI's default; null = up to the context length
-    logprobs: int | None = None
-    echo: bool = False
+    max_tokens: StrictInt | None = 16  # OpenAI's default; null = up to the context length
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -221,11 +283,11 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(OpenAIBaseModel):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
-MessageContent = str | list[TextContentPart] | None
+MessageContent = Text | list[TextContentPart] | None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -257,27 +319,27 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``, with vLLM's ``echo`` and ``add_generation_prompt``."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
     # vLLM's: the reply starts with the last message's content when that message has the reply's role.
-    echo: bool = False
-    add_generation_prompt: bool = True
+    echo: StrictBool = False
+    add_generation_prompt: StrictBool = True
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(RequestBody):
+    model: Text | None = None
+    tokens: list[StrictInt]
 
 
 # --------------------------------------------------------------------------- responses

@@ -94,10 +94,11 @@ def test_a_request_that_can_outgrow_the_kv_cache_is_refused_as_a_whole(tokenizer
     assert small.process([1] * 10, SamplingParams(max_tokens=38)).sampling_params.max_tokens == 38
     with pytest.raises(InvalidRequestError) as raised:
         small.process([1] * 10, SamplingParams(max_tokens=39))
-    assert raised.value.param is None
+    assert raised.value.param == "max_tokens"
     assert raised.value.message == "a request of up to 49 tokens needs more KV cache than the engine has (48 tokens)"
-    with pytest.raises(InvalidRequestError, match="up to 64 tokens"):
+    with pytest.raises(InvalidRequestError, match="up to 64 tokens") as raised:
         small.process([1] * 10, SamplingParams(max_tokens=None))
+    assert raised.value.param == "prompt"  # an open max_tokens is all the room the prompt leaves
 
 
 def test_chat_messages_render_with_the_models_template(processor: InputProcessor, tokenizer) -> None:

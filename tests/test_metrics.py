@@ -121,7 +121,7 @@ def test_metrics_lists_every_metric_with_the_model_name(served: Served) -> None:
         assert found and all(("model_name", served.engine.model_name) in labels for labels in found), name
     reasons = {dict(labels).get("finished_reason") for (n, labels) in samples
                if n == "pagedserve:request_success_total"}
-    assert reasons == {"stop", "length", "abort"}
+    assert reasons == {"stop", "length", "abort", "error"}
 
 
 def test_counters_equal_the_usage_of_the_requests_served(client: httpx.Client, served: Served) -> None:

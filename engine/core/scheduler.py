@@ -18,6 +18,7 @@ This package imports no torch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRe
 from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -268,63 +271,108 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests.
 
+        A request the worker failed (``failed_req_ids``), or whose own accounting or drafts raise
+        here, finishes with ``FINISHED_ERROR``: its blocks are freed and its output carries the
+        error; the other requests go on.
+
         Returns:
             One ``EngineCoreOutput`` per request that produced tokens, prompt
             logprobs, or finished this step.
         """
         outputs: list[EngineCoreOutput] = []
+        finished: set[str] = set()
+        failed = model_runner_output.failed_req_ids
+        for req_id, message in failed.items():
+            request = self.requests.get(req_id)
+            if request is not None:  # else aborted while the step ran
+                outputs.append(self._fail_request(request, message))
+                finished.add(req_id)
         index_of = model_runner_output.req_id_to_index
-        stopped: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or req_id not in index_of:
-                continue  # aborted while the step ran
-            index = index_of[req_id]
-            generated = model_runner_output.sampled_token_ids[index]
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
-            if drafts and generated:
-                # The runner keeps the accepted drafts and one more token; the K/V of the
-                # rejected positions are recomputed from the next step on.
-                request.num_computed_tokens -= len(drafts) + 1 - len(generated)
-            new_token_ids = []
-            for token_id in generated:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                if self._check_stop(request, token_id):
-                    break
-            logprobs = model_runner_output.logprobs[index] if model_runner_output.logprobs else None
-            prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if request is None or req_id not in index_of or req_id in failed:
+                continue  # aborted while the step ran, or failed above
+            try:
+                output = self._update_request(request, scheduler_output, model_runner_output, index_of[req_id])
+            except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
+                logger.exception("updating request %s failed", req_id)
+                output = self._fail_request(request, repr(exc))
             if request.is_finished:
-                stopped.add(req_id)
-                self._free_request(request, request.status)
-            if new_token_ids or prompt_logprobs or request.is_finished:
-                outputs.append(EngineCoreOutput(
-                    request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
-                    new_logprobs=logprobs[:len(new_token_ids)] if logprobs else None,
-                    new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time))
-        if stopped:
-            self.running = [r for r in self.running if r.request_id not in stopped]
+                finished.add(req_id)
+            if output is not None:
+                outputs.append(output)
         # Grammars advance one token per step, so constrained decoding runs without drafts.
         if self.drafter is not None and self.structured_output_manager is None:
-            self._propose_drafts()
+            outputs += self._propose_drafts(finished)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
         return outputs
 
-    def _propose_drafts(self) -> None:
+    def _update_request(self, request: Request, scheduler_output: SchedulerOutput,
+                        model_runner_output: ModelRunnerOutput, index: int) -> EngineCoreOutput | None:
+        """Apply one request's step result; its output, or None when it has no news."""
+        req_id = request.request_id
+        generated = model_runner_output.sampled_token_ids[index]
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts and generated:
+            # The runner keeps the accepted drafts and one more token; the K/V of the
+            # rejected positions are recomputed from the next step on.
+            request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+        new_token_ids = []
+        for token_id in generated:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if self._check_stop(request, token_id):
+                break
+        logprobs = model_runner_output.logprobs[index] if model_runner_output.logprobs else None
+        prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+        if request.is_finished:
+            self._free_request(request, request.status)
+        if not (new_token_ids or prompt_logprobs or request.is_finished):
+            return None
+        return EngineCoreOutput(
+            request_id=req_id, new_token_ids=new_token_ids, finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens,
+            new_logprobs=logprobs[:len(new_token_ids)] if logprobs else None,
+            new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time)
+
+    def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
+        """Finish ``request`` with ``FINISHED_ERROR`` and free its blocks (unless already freed);
+        the caller drops it from ``running``. Returns its last output, carrying ``message``."""
+        if self.requests.get(request.request_id) is request:
+            self._free_request(request, RequestStatus.FINISHED_ERROR)
+        request.status = RequestStatus.FINISHED_ERROR
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=request.finish_reason,
+                                num_cached_tokens=request.num_cached_tokens,
+                                first_scheduled_time=request.first_scheduled_time, error=message)
+
+    def _propose_drafts(self, finished: set[str]) -> list[EngineCoreOutput]:
         """Ask the drafter for the next tokens of every decoding request, within its limits.
 
         A request may run ``k`` drafts when the ``k + 1`` tokens a step can then emit
-        fit both ``max_tokens`` and ``max_model_len``.
+        fit both ``max_tokens`` and ``max_model_len``. A request the drafter raises for is failed
+        and added to ``finished``.
+
+        Returns:
+            The outputs of the requests failed here.
         """
+        outputs = []
         max_model_len = self.config.max_model_len
         for request in self.running:
-            if request.num_computed_tokens != request.num_tokens - 1:
-                continue  # still prefilling
+            if request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # finished this step, or still prefilling
             max_tokens = request.sampling_params.max_tokens or max_model_len
             num_drafts = min(self.drafter.num_speculative_tokens,
                              max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
-            if num_drafts > 0:
+            if num_drafts <= 0:
+                continue
+            try:
                 request.spec_token_ids = list(self.drafter.propose(request.all_token_ids)[:num_drafts])
+            except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
+                logger.exception("proposing drafts for request %s failed", request.request_id)
+                outputs.append(self._fail_request(request, repr(exc)))
+                finished.add(request.request_id)
+        return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status on ``request`` if ``token_id`` ends it."""

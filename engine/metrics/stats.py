@@ -31,7 +31,7 @@ class FinishedRequestStats:
     """One finished request (one completion: a request with ``n`` completions makes ``n``).
 
     Attributes:
-        finish_reason: stop, length or abort.
+        finish_reason: stop, length, abort or error.
         e2e_latency_s: seconds from arrival to finish.
         queue_time_s: seconds from arrival to first scheduled; None when the
             frontend never heard of its scheduling (aborted before any output).

@@ -1,18 +1,27 @@
 """The model runner: applies each ``SchedulerOutput`` to the persistent batch,
 builds the flattened inputs, runs the forward pass (``execute_model``) and
 then samples (``sample_tokens``), as two calls so that the step's grammar
-masks can be computed between them (design section 4)."""
+masks can be computed between them (design section 4).
+
+Fault isolation: an exception raised by one request's own data fails that request alone. Its
+state and row are dropped and it is reported in ``ModelRunnerOutput.failed_req_ids``; the others
+run on. The stages that can blame a request are: creating or updating its state and placing it
+in the persistent batch (``_update_states``), its row's inputs (``_fail_inconsistent_rows``), and
+sampling (``_sample_isolating_faults``). The forward pass and logits cover every row at once, so
+what they raise propagates and stops the engine.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from engine.model.attention import AttentionMetadata
 from engine.model.cpu_threads import serial_elementwise
 from engine.model.registry import CausalLM
@@ -90,6 +99,8 @@ class ModelRunner:
         self.arange_np = np.arange(max(scheduler_config.max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingSample | None = None
+        # Requests failed in the current step: id -> error (ModelRunnerOutput.failed_req_ids).
+        self._failed: dict[str, str] = {}
         torch.manual_seed(config.args.seed)
         self.cuda_graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.args.enforce_eager:
@@ -117,46 +128,105 @@ class ModelRunner:
 
         to_add: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params, generator,
-                                       list(new.block_ids), new.num_computed_tokens)
-            self.requests[new.req_id] = state
-            to_add.append(state)
-
+            try:
+                to_add.append(self._add_new_state(new))
+            except Exception as exc:  # noqa: BLE001 - e.g. a seed torch cannot take: fail this request only
+                self._fail_request(new.req_id, repr(exc))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            resumed = req_id in cached.resumed_req_ids
-            if resumed:
-                state.block_ids = list(new_block_ids)
-            elif new_block_ids:
-                state.block_ids.extend(new_block_ids)
-            if req_id in cached.all_token_ids:
-                state.output_token_ids = list(cached.all_token_ids[req_id][len(state.prompt_token_ids):])
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:
-                to_add.append(state)
-                continue
-            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
-            if new_block_ids and not resumed:
-                batch.block_table.append_row(new_block_ids, row)
+            try:
+                if self._update_cached_state(cached, i):
+                    to_add.append(self.requests[req_id])
+            except Exception as exc:  # noqa: BLE001 - fail this request only
+                self._fail_request(req_id, repr(exc))
         for state in to_add:
-            batch.add_request(state)
+            try:
+                batch.add_request(state)
+            except Exception as exc:  # noqa: BLE001 - e.g. a value the batch's arrays cannot hold
+                self._fail_request(state.req_id, repr(exc))
         batch.condense()
-        batch.set_draft_tokens(so.scheduled_spec_decode_tokens)
+        batch.set_draft_tokens({req_id: drafts for req_id, drafts in so.scheduled_spec_decode_tokens.items()
+                                if req_id in batch.req_id_to_index})
+
+    def _add_new_state(self, new: NewRequestData) -> CachedRequestState:
+        """Create and keep the state of a request the worker has not seen.
+
+        Raises:
+            ValueError: a seed ``torch.Generator.manual_seed`` cannot take (it overflows past 2**64).
+        """
+        params = new.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params, generator,
+                                   list(new.block_ids), new.num_computed_tokens)
+        self.requests[new.req_id] = state
+        return state
+
+    def _update_cached_state(self, cached: CachedRequestData, i: int) -> bool:
+        """Apply entry ``i`` of the step's diffs to a known request. Returns whether it needs a row
+        (resumed, or left out of the previous step)."""
+        batch = self.input_batch
+        req_id = cached.req_ids[i]
+        state = self.requests[req_id]
+        state.num_computed_tokens = cached.num_computed_tokens[i]
+        new_block_ids = cached.new_block_ids[i]
+        resumed = req_id in cached.resumed_req_ids
+        if resumed:
+            state.block_ids = list(new_block_ids)
+        elif new_block_ids:
+            state.block_ids.extend(new_block_ids)
+        if req_id in cached.all_token_ids:
+            state.output_token_ids = list(cached.all_token_ids[req_id][len(state.prompt_token_ids):])
+        row = batch.req_id_to_index.get(req_id)
+        if row is None:
+            return True
+        batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+        if new_block_ids and not resumed:
+            batch.block_table.append_row(new_block_ids, row)
+        return False
+
+    def _fail_request(self, req_id: str, message: str) -> None:
+        """Drop a request's state and row now, and report it failed for this step."""
+        # With the traceback when called while handling the exception.
+        logger.error("request %s failed on the worker: %s", req_id, message, exc_info=sys.exc_info()[1] is not None)
+        self.requests.pop(req_id, None)
+        self.input_batch.remove_request(req_id)
+        self._failed[req_id] = message
 
     # ------------------------------------------------------------------ inputs
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _num_scheduled_tokens(self, so: SchedulerOutput) -> np.ndarray:
+        """``[num_reqs]`` tokens each row runs this step."""
+        return np.array([so.num_scheduled_tokens[r] for r in self.input_batch.req_ids[:self.input_batch.num_reqs]],
+                        dtype=np.int64)
+
+    def _fail_inconsistent_rows(self, num_scheduled: np.ndarray) -> bool:
+        """Fail the rows whose inputs cannot be built: no tokens, tokens past the row's known ones
+        (drafts included), or positions past the blocks it holds. A bookkeeping fault in one
+        request then fails it alone, instead of raising in the batched preparation, which no
+        request can be blamed for. Returns whether any row failed (the batch is condensed then).
+        """
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64)
+        seq_lens = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled
+        num_known = batch.num_tokens[:num_reqs] + batch.num_draft_tokens[:num_reqs]
+        num_slots = batch.block_table.num_blocks_per_row[:num_reqs].astype(np.int64) * batch.block_table.block_size
+        bad_rows = np.flatnonzero((num_scheduled <= 0) | (seq_lens > num_known) | (seq_lens > num_slots))
+        for row in bad_rows.tolist():
+            self._fail_request(batch.req_ids[row], (
+                f"inconsistent row: {int(num_scheduled[row])} tokens scheduled after "
+                f"{int(batch.num_computed_tokens_cpu[row])} computed, but {int(num_known[row])} tokens known "
+                f"and {int(num_slots[row])} KV slots held"))
+        if len(bad_rows):
+            batch.condense()
+        return bool(len(bad_rows))
+
+    def _prepare_inputs(self, num_scheduled: np.ndarray) -> StepInputs:
+        """The step's flat inputs from the persistent batch, ``num_scheduled`` tokens per row."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
         total = int(num_scheduled.sum())
         # [2, 5, 3] -> req_indices [0,0,1,1,1,1,1,2,2,2], query_pos [0,1,0,1,2,3,4,0,1,2]
         req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)
@@ -211,13 +281,20 @@ class ModelRunner:
             None when rows sample this step (their logits are kept for ``sample_tokens``);
             otherwise the step's whole output (a cleanup step, or only partial prefills).
         """
+        self._failed = {}
         with region("model_runner.update_states"):
             self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         with region("model_runner.prepare_inputs"):
-            inputs = self._prepare_inputs(so)
+            num_scheduled = self._num_scheduled_tokens(so)
+            if self._fail_inconsistent_rows(num_scheduled):
+                num_scheduled = self._num_scheduled_tokens(so)
+            if batch.num_reqs == 0:  # every scheduled request failed
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                         failed_req_ids=self._failed)
+            inputs = self._prepare_inputs(num_scheduled)
         with region("model_runner.forward"):
             hidden_states = self._forward(inputs)
 
@@ -229,7 +306,8 @@ class ModelRunner:
         # when a row is (re)added, and _update_states sets it from the scheduler first.
         batch.num_computed_tokens_cpu[:num_reqs] = inputs.attn_metadata.seq_lens_cpu
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=[[] for _ in range(num_reqs)], prompt_logprobs=prompt_logprobs)
+                                   sampled_token_ids=[[] for _ in range(num_reqs)], prompt_logprobs=prompt_logprobs,
+                                   failed_req_ids=self._failed)
         if not len(inputs.sample_rows):
             return output
         with region("model_runner.compute_logits"):
@@ -242,7 +320,8 @@ class ModelRunner:
         """Sample the rows ``execute_model`` left logits for, within the step's grammar masks.
 
         Returns:
-            The step's output: 1 token per sampling request, or 1..k+1 for one with k drafts.
+            The step's output: 1 token per sampling request, or 1..k+1 for one with k drafts;
+            rows whose sampling raised on their own are in its ``failed_req_ids``.
 
         Raises:
             RuntimeError: when the last ``execute_model`` left nothing to sample.
@@ -251,13 +330,11 @@ class ModelRunner:
             raise RuntimeError("sample_tokens() needs an execute_model() that returned None first")
         pending, self._pending = self._pending, None
         batch = self.input_batch
-        sample_rows, output = pending.sample_rows, pending.output
-        rows = sample_rows.tolist()
+        output = pending.output
         with region("model_runner.sample"):
-            if batch.num_draft_tokens[sample_rows].any():
-                sampled, logprobs = self._verify_drafts(pending.logits, sample_rows, grammar_output)
-            else:
-                sampled, logprobs = self._sample(pending.logits, sample_rows, grammar_output)
+            sample_rows, sampled, logprobs = self._sample_isolating_faults(pending.logits, pending.sample_rows,
+                                                                           grammar_output)
+        rows = sample_rows.tolist()
         batch.append_sampled_tokens(sample_rows, sampled)
         for row, tokens in zip(rows, sampled, strict=True):
             output.sampled_token_ids[row] = tokens
@@ -266,6 +343,52 @@ class ModelRunner:
             for row, entries in zip(rows, logprobs, strict=True):
                 output.logprobs[row] = entries
         return output
+
+    def _sample_isolating_faults(self, logits: torch.Tensor, sample_rows: np.ndarray,
+                                 grammar_output: GrammarOutput | None
+                                 ) -> tuple[np.ndarray, list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Sample every row at once; when that raises, sample row by row and fail the rows that raise alone.
+
+        The rows that survive get the tokens and logprobs the batch would have given them when they
+        are greedy or seeded: the seeded rows' generators are rewound to their state before the
+        batched try. Unseeded random rows draw again from the global RNG.
+
+        Returns:
+            The rows that sampled, their tokens and their logprobs (None when no row asks).
+        """
+        generator_states = [(g, g.get_state()) for g in self.input_batch.generators_by_request(sample_rows).values()]
+        try:
+            return sample_rows, *self._sample_batch(logits, sample_rows, grammar_output)
+        except Exception:  # noqa: BLE001 - find and fail the rows at fault below
+            logger.warning("sampling %d rows failed; sampling them one by one", len(sample_rows), exc_info=True)
+        for generator, state in generator_states:
+            generator.set_state(state)
+        return self._sample_row_by_row(logits, sample_rows, grammar_output)
+
+    def _sample_row_by_row(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput | None
+                           ) -> tuple[np.ndarray, list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Sample each row alone (its k + 1 logits rows when it runs k drafts); fail the rows that raise."""
+        ends = np.cumsum(self.input_batch.num_draft_tokens[sample_rows] + 1).tolist()
+        kept, sampled, logprobs = [], [], []
+        for i, row in enumerate(sample_rows.tolist()):
+            start = ends[i - 1] if i else 0
+            try:
+                tokens, row_logprobs = self._sample_batch(logits[start:ends[i]], sample_rows[i:i + 1], grammar_output)
+            except Exception as exc:  # noqa: BLE001 - this row's own fault
+                self._fail_request(self.input_batch.req_ids[row], repr(exc))
+                continue
+            kept.append(row)
+            sampled += tokens
+            logprobs.append(None if row_logprobs is None else row_logprobs[0])
+        has_logprobs = any(entry is not None for entry in logprobs)
+        return np.array(kept, dtype=np.int64), sampled, logprobs if has_logprobs else None
+
+    def _sample_batch(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput | None
+                      ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Tokens of ``sample_rows`` (by the rejection sampler when any runs drafts), and logprobs when asked."""
+        if self.input_batch.num_draft_tokens[sample_rows].any():
+            return self._verify_drafts(logits, sample_rows, grammar_output)
+        return self._sample(logits, sample_rows, grammar_output)
 
     def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput | None
                 ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:

@@ -1,0 +1,253 @@
+"""A fault in one request's own data fails that request alone; the engine goes on with the others.
+
+Each test injects a fault into one request (id ``bad``) at one stage of the step (its worker
+state, its row in the persistent batch, its row's inputs, its sampling, the scheduler's
+accounting of its tokens), while other requests (greedy and seeded) run beside it. The faulty
+request must end with an error, its KV blocks freed and no worker state left; the others'
+tokens must equal a run without it; and the engine must serve new requests afterwards. A fault
+in the forward pass, which no request can be blamed for, still stops the engine
+(``test_server_errors.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineArgs, EngineConfig
+from engine.core.scheduler import Scheduler
+from engine.engine_core import EngineCore
+from engine.errors import RequestFailedError
+from engine.input_processor import InputProcessor
+from engine.model.loader import gguf_cache_folder, resolve_model_path
+from engine.outputs import FinishReason
+from engine.request import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+from engine.worker import model_runner
+from engine.worker.input_batch import InputBatch
+from engine.worker.model_runner import ModelRunner
+from engine.worker.sampler import Sampler
+
+PROMPTS = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26, 43], "c": [7, 1]}
+PARAMS = {
+    "a": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    "b": SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True),
+    "c": SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=12, ignore_eos=True),
+}
+BAD_PROMPT = [11, 12, 13, 14, 15, 16]
+#: A harmless bias the sampling fault below uses to recognise the faulty request's row.
+MARKER = {5: 0.0}
+
+
+def make_core(folder: str) -> EngineCore:
+    return EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128,
+                                                        kv_cache_memory_bytes="4MiB")))
+
+
+def add(core: EngineCore, req_id: str, prompt: list[int], params: SamplingParams) -> None:
+    core.add_request(EngineCoreRequest(req_id, prompt, params, eos_token_id=None, arrival_time=0.0))
+
+
+def run(core: EngineCore, bad_params: SamplingParams | None = None, bad_at_step: int = 2
+        ) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Run the requests of ``PROMPTS`` to the end, adding ``bad`` at step ``bad_at_step`` (while the
+    others decode) when ``bad_params`` is given. Returns tokens by request id and errors by request id."""
+    for req_id, prompt in PROMPTS.items():
+        add(core, req_id, prompt, PARAMS[req_id])
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    step = 0
+    while core.has_unfinished_requests():
+        if step == bad_at_step and bad_params is not None:
+            add(core, "bad", BAD_PROMPT, bad_params)
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            if output.error is not None:
+                assert output.finish_reason is FinishReason.ERROR
+                errors[output.request_id] = output.error
+        step += 1
+    return tokens, errors
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_folder) -> dict[str, list[int]]:
+    tokens, errors = run(make_core(tiny_llama_folder))
+    assert not errors and all(len(t) == 12 for t in tokens.values())
+    return tokens
+
+
+def assert_isolated(core: EngineCore, tokens: dict[str, list[int]], errors: dict[str, str],
+                    reference: dict[str, list[int]], message: str) -> None:
+    """``bad`` failed with ``message`` and left nothing behind; the others ran as without it;
+    the engine still serves."""
+    assert list(errors) == ["bad"] and message in errors["bad"]
+    assert {r: tokens[r] for r in PROMPTS} == reference
+    runner = core.executor.worker.model_runner
+    assert "bad" not in runner.requests and "bad" not in runner.input_batch.req_id_to_index
+    assert not core.scheduler.requests and core.make_stats().kv_cache_usage == 0
+    add(core, "after", PROMPTS["a"], PARAMS["a"])
+    after, after_errors = {}, {}
+    while core.has_unfinished_requests():
+        for output in core.step():
+            after.setdefault(output.request_id, []).extend(output.new_token_ids)
+            after_errors[output.request_id] = output.error
+    assert after == {"after": reference["a"]} and after_errors == {"after": None}
+    assert not runner.requests and runner.input_batch.num_reqs == 0 and core.make_stats().kv_cache_usage == 0
+
+
+def fail_for_bad(original, message: str, req_id_of):
+    """Wrap ``original`` to raise ``RuntimeError(message)`` when ``req_id_of(*args)`` is ``bad``."""
+    def wrapper(*args, **kwargs):
+        if req_id_of(*args, **kwargs) == "bad":
+            raise RuntimeError(message)
+        return original(*args, **kwargs)
+    return wrapper
+
+
+def test_fault_creating_worker_state(tiny_llama_folder, reference, monkeypatch):
+    monkeypatch.setattr(model_runner, "CachedRequestState", fail_for_bad(
+        model_runner.CachedRequestState, "state injected", lambda req_id, *args: req_id))
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
+    assert_isolated(core, tokens, errors, reference, "state injected")
+
+
+def test_seed_the_generator_cannot_take(tiny_llama_folder, reference):
+    """A real trigger: ``torch.Generator.manual_seed`` overflows on a seed past its range."""
+    core = make_core(tiny_llama_folder)
+    params = SamplingParams(temperature=1.0, max_tokens=5)
+    params.seed = 2**80  # past SamplingParams' own check, as a frontend bug would let it
+    tokens, errors = run(core, params)
+    assert_isolated(core, tokens, errors, reference, "")
+
+
+def test_fault_inserting_into_persistent_batch(tiny_llama_folder, reference, monkeypatch):
+    monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
+        InputBatch.add_request, "insert injected", lambda self, state: state.req_id))
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
+    assert_isolated(core, tokens, errors, reference, "insert injected")
+
+
+def test_fault_in_row_inputs(tiny_llama_folder, reference, monkeypatch):
+    """The row of ``bad`` claims fewer KV blocks than its tokens need (a bookkeeping fault)."""
+    update_states = ModelRunner._update_states
+
+    def corrupting_update_states(self, so):
+        update_states(self, so)
+        row = self.input_batch.req_id_to_index.get("bad")
+        if row is not None:
+            self.input_batch.block_table.num_blocks_per_row[row] = 0
+
+    monkeypatch.setattr(ModelRunner, "_update_states", corrupting_update_states)
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
+    assert_isolated(core, tokens, errors, reference, "inconsistent row")
+
+
+def test_bad_logit_bias_fails_in_the_sampler(tiny_llama_folder, reference):
+    """A real trigger: a ``logit_bias`` token id outside the vocabulary raises in the batched sampler."""
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5, logit_bias={10**6: 1.0}))
+    assert_isolated(core, tokens, errors, reference, "logit_bias")
+
+
+def test_fault_after_the_draws_keeps_seeded_rows_reproducible(tiny_llama_folder, reference, monkeypatch):
+    """The batched sampler raises after every row drew (seeded generators advanced): the retry row by
+    row rewinds them, so the seeded requests beside the faulty one sample as without it."""
+    forward = Sampler.forward
+
+    def failing_after_draws(self, logits, metadata):
+        result = forward(self, logits, metadata)
+        if metadata.logit_bias and any(bias == MARKER for bias in metadata.logit_bias):
+            raise RuntimeError("sample injected")
+        return result
+
+    monkeypatch.setattr(Sampler, "forward", failing_after_draws)
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=1.0, seed=5, max_tokens=5, logit_bias=MARKER))
+    assert_isolated(core, tokens, errors, reference, "sample injected")
+
+
+def test_fault_in_scheduler_accounting(tiny_llama_folder, reference, monkeypatch):
+    monkeypatch.setattr(Scheduler, "_check_stop", fail_for_bad(
+        Scheduler._check_stop, "update injected", lambda self, request, token_id: request.request_id))
+    core = make_core(tiny_llama_folder)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
+    assert_isolated(core, tokens, errors, reference, "update injected")
+
+
+def test_every_request_failing_leaves_the_engine_serving(tiny_llama_folder, reference, monkeypatch):
+    """A step whose only scheduled request fails runs no forward pass and reports the failure."""
+    core = make_core(tiny_llama_folder)
+    monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
+        InputBatch.add_request, "insert injected", lambda self, state: state.req_id))
+    add(core, "bad", BAD_PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
+    outputs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", FinishReason.ERROR)]
+    while core.has_unfinished_requests():
+        core.step()
+    tokens, errors = run(core)
+    assert tokens == reference and not errors and core.make_stats().kv_cache_usage == 0
+
+
+def test_async_llm_fails_one_stream_and_completes_the_other(tiny_llama_folder, reference, monkeypatch):
+    """Through ``AsyncLLM``: the faulty request's client gets ``RequestFailedError`` while another
+    request streams to completion beside it, and the engine keeps serving."""
+    monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
+        InputBatch.add_request, "insert injected", lambda self, state: state.req_id))
+    tokenizer = AutoTokenizer.from_pretrained(gguf_cache_folder(resolve_model_path(None)).path)
+
+    async def collect(engine: AsyncLLM, processor: InputProcessor, req_id: str, prompt: list[int],
+                      params: SamplingParams) -> list[int]:
+        token_ids: list[int] = []
+        async for output in engine.generate(processor.process(prompt, params), req_id):
+            token_ids += output.outputs[0].token_ids
+        return token_ids
+
+    async def main() -> None:
+        core = make_core(tiny_llama_folder)
+        processor = InputProcessor(core.config.model_config, tokenizer, core.config.cache_config, max_logprobs=20)
+        engine = AsyncLLM(core, processor, asyncio.get_running_loop())
+        good = asyncio.ensure_future(collect(engine, processor, "a", PROMPTS["a"], PARAMS["a"]))
+        await asyncio.sleep(0)
+        with pytest.raises(RequestFailedError, match="insert injected"):
+            await collect(engine, processor, "bad", BAD_PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
+        assert await good == reference["a"]
+        assert engine.check_health()
+        assert await collect(engine, processor, "later", PROMPTS["b"], PARAMS["b"]) == reference["b"]
+        await engine.shutdown(timeout_s=5)
+
+    asyncio.run(main())
+
+
+def test_the_server_answers_a_failed_request_with_a_500_and_serves_the_others(serve_fresh_engine, monkeypatch):
+    """Through HTTP: the failed request gets OpenAI's error body with a 500 while another client's
+    completion is served."""
+    import httpx
+
+    from engine.worker.input_batch import InputBatch
+
+    original = InputBatch.add_request
+
+    def add_request(self, state):
+        if state.sampling_params.seed == 12345:
+            raise RuntimeError("insert injected")
+        return original(self, state)
+
+    monkeypatch.setattr(InputBatch, "add_request", add_request)
+    served = serve_fresh_engine(max_model_len=256, kv_cache_memory_bytes="16MiB")
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        failed = client.post("/v1/completions", json=body | {"seed": 12345})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["code"] == "request_failed"
+        assert "insert injected" in failed.json()["error"]["message"]
+        # Failed before its first token, a stream is answered as a plain request would be.
+        streamed = client.post("/v1/completions", json=body | {"seed": 12345, "stream": True})
+        assert streamed.status_code == 500 and streamed.json()["error"]["code"] == "request_failed"
+        ok = client.post("/v1/completions", json=body)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
