@@ -4,6 +4,9 @@ temporary folder or the torch path, with one log line."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +82,14 @@ def test_backend_decodes_through_torch_without_the_kernel(monkeypatch: pytest.Mo
     monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
     without_kernel = backend.forward(query, key, value, kv_cache.clone(), metadata, 0.1)
     torch.testing.assert_close(without_kernel, with_kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
+    """Regression: linked with -ffast-math, the library pulled in crtfastmath.o, which set flush-to-zero
+    for the whole process as it loaded: every torch op and Python float after it lost subnormals."""
+    code = ("from engine.model.cpu_attention import load_kernel\n"
+            "assert load_kernel() is not None\n"
+            "print(float.fromhex('0x1p-1070') * 1.0 != 0.0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parent.parent, env=os.environ | {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert result.stdout.strip() == "True"

@@ -51,7 +51,7 @@ def test_the_spec_documents_what_the_server_answers(api: Any, served: Served) ->
 
     statuses: list[int] = []
 
-    @settings(max_examples=EXAMPLES_PER_OPERATION * len(operations) * 2, deadline=None, database=None,
+    @settings(max_examples=EXAMPLES_PER_OPERATION * len(operations) * 2, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=strategy)
     def check(case: Any) -> None:

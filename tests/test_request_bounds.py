@@ -203,7 +203,8 @@ def _names_one_of(param: str | None, fields: set[str]) -> bool:
     return param is not None and param.split(".")[0] in fields
 
 
-@settings(max_examples=150, deadline=60_000, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the same 150 cases every run, so a CI run cannot flake on a newly drawn case.
+@settings(max_examples=150, deadline=60_000, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(request=extreme_requests())
 def test_any_number_is_served_or_refused_naming_its_field(client: httpx.Client,
                                                           request: tuple[str, dict[str, Any], set[str]]) -> None:

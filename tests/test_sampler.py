@@ -120,6 +120,14 @@ def test_samples_follow_filtered_distribution(params: dict):
         assert chisquare(counts[kept], expected[kept] * half).pvalue > 0.001
 
 
+def test_a_top_p_below_float32s_range_keeps_the_top_token():
+    """Regression: top_p 1e-300 is positive, so it passes the door, but is 0 in float32; the nucleus
+    was then empty and the threshold read index -1 (an error for the whole batch)."""
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.25, 0.25]])
+    metadata = make_metadata(2, top_p=[1e-300, 0.6], vocab_size=3)
+    assert (apply_top_k_top_p(probs, metadata) > 0).tolist() == [[False, True, False], [True, True, True]]
+
+
 @pytest.mark.parametrize("num_candidates", [3, 8, 1024])
 @pytest.mark.parametrize("use_top_p", [True, False])
 def test_top_k_top_p_keep_the_same_tokens_whatever_the_candidate_count(

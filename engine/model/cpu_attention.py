@@ -43,7 +43,11 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.c"
 #: The kernel's entry point for each KV cache dtype it reads.
 _ENTRY_POINTS = {torch.float32: "paged_decode_attention_f32", torch.bfloat16: "paged_decode_attention_bf16"}
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked without -ffast-math: with it the link adds crtfastmath.o, whose constructor sets flush-to-zero
+# for the whole process when the library loads, so every torch op and Python float after it would lose
+# subnormals. -lm last: it brings libmvec, which holds the vectorized expf.
+_LINK_FLAGS = ["-fopenmp", "-shared", "-lm"]
 
 
 def _cpu_signature() -> str:
@@ -73,7 +77,8 @@ def load_kernel() -> ctypes.CDLL | None:
         logger.warning("the CPU decode kernel's source is missing (%s): CPU decode attention falls back to torch "
                        "(slower)", err)
         return None
-    key = hashlib.sha256(source + " ".join(_CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    key = hashlib.sha256(source + flags.encode() + _cpu_signature().encode()).hexdigest()[:16]
     library = Path(cache_dir()) / "kernels" / f"paged_decode_attention-{key}.so"
     if not library.exists():
         try:
@@ -125,14 +130,14 @@ def _build(library: Path) -> Path | None:
         logger.warning("no C compiler found: CPU decode attention falls back to torch (slower)")
         return None
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        built = Path(tmp) / library.name
-        # -lm last: it brings libmvec, which holds the vectorized expf.
-        result = subprocess.run([compiler, *_CFLAGS, "-o", str(built), str(_SOURCE), "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            logger.warning("compiling %s failed, CPU decode attention falls back to torch (slower):\n%s", _SOURCE,
-                           result.stderr[-2000:])
-            return None
+        built, objects = Path(tmp) / library.name, Path(tmp) / "kernel.o"
+        for command in ([compiler, *_COMPILE_FLAGS, "-c", "-o", str(objects), str(_SOURCE)],
+                        [compiler, str(objects), *_LINK_FLAGS, "-o", str(built)]):
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                logger.warning("building %s failed, CPU decode attention falls back to torch (slower):\n%s",
+                               _SOURCE, result.stderr[-2000:])
+                return None
         os.replace(built, library)
     return library
 

@@ -298,7 +298,8 @@ def _head_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     # p = 1 keeps the whole top-k set explicitly: rounding in the cumulative sum
     # could otherwise push the mass before a tail token up to the total.
     in_nucleus = (cumulative - head < (top_p * top_k_mass).unsqueeze(1)) | (top_p >= 1).unsqueeze(1)
-    num_kept = (in_nucleus & in_top_k).sum(dim=-1, keepdim=True)
+    # The top token is always kept: a top_p too small for float32 (1e-300) rounds to 0 and keeps none.
+    num_kept = (in_nucleus & in_top_k).sum(dim=-1, keepdim=True).clamp(min=1)
     keeps_all = unlimited_k & (top_p >= 1)
     threshold = head.gather(1, num_kept - 1).masked_fill(keeps_all.unsqueeze(1), 0.0)
     # The candidates decide a row when its top-k fits in them (they are at least
