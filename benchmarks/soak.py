@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,14 @@ def rss_drift(samples: list[tuple[float, float]], warmup_s: float) -> float:
     return max(abs(rss - after[0]) / after[0] for rss in after) if after else 0.0
 
 
+def make_report(result: SoakResult, minutes: float, concurrency: int, healthy: bool, warmup_s: float
+                ) -> dict[str, Any]:
+    """The run as JSON-ready data (``dataclasses.asdict`` would rebuild the Counter from its items)."""
+    return {"minutes": minutes, "concurrency": concurrency, "healthy_after": healthy,
+            "rss_drift_after_warmup": round(rss_drift(result.rss_mib, warmup_s), 4),
+            "outcomes": dict(result.outcomes), "failures": result.failures, "rss_mib": result.rss_mib}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=30.0)
@@ -173,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         healthy = httpx.get(server.base_url + "/health", timeout=5).status_code == 200
     finally:
         server.stop()
-    drift = rss_drift(result.rss_mib, args.warmup_minutes * 60)
-    report = {"minutes": args.minutes, "concurrency": args.concurrency, "healthy_after": healthy,
-              "rss_drift_after_warmup": round(drift, 4), **asdict(result)}
+    report = make_report(result, args.minutes, args.concurrency, healthy, args.warmup_minutes * 60)
     print(json.dumps(report, indent=1))
     if args.result_json:
         args.result_json.write_text(json.dumps(report, indent=1))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
-from benchmarks.soak import rss_drift, soak
+from benchmarks.soak import SoakResult, make_report, rss_drift, soak
 
 
 def test_a_short_soak_has_no_failures_and_frees_every_block(served):
@@ -25,3 +26,12 @@ def test_rss_drift_is_measured_after_the_warm_up():
     samples = [(0.0, 100.0), (10.0, 500.0), (20.0, 510.0), (30.0, 495.0)]
     assert rss_drift(samples, warmup_s=10.0) == 0.02
     assert rss_drift(samples, warmup_s=100.0) == 0.0
+
+
+def test_the_report_is_json():
+    """Regression: ``dataclasses.asdict`` turned the outcome Counter into one keyed by tuples."""
+    result = SoakResult()
+    result.outcomes["ok"] += 3
+    result.rss_mib.append((0.0, 100.0))
+    report = json.loads(json.dumps(make_report(result, 1.0, 4, True, 0.0)))
+    assert report["outcomes"] == {"ok": 3} and report["rss_drift_after_warmup"] == 0.0
