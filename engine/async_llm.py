@@ -178,8 +178,7 @@ class AsyncLLM:
             # The processor checked the request and the output processor its id, so this is a bug or a
             # race; it must fail that request only, not the engine every client shares.
             logger.exception("rejected request %s on the engine thread", item.request.request_id)
-            error = exc if isinstance(exc, ValueError) else RequestFailedError(
-                f"request {item.parent_request_id} failed: {exc!r}")
+            error = exc if isinstance(exc, ValueError) else RequestFailedError(item.parent_request_id, repr(exc))
             self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, error)
         return False
 
@@ -206,7 +205,7 @@ class AsyncLLM:
             if stream is not None:
                 stream.put_nowait(request_output)
         for request_id, message in processed.failed.items():
-            self._fail_request(request_id, RequestFailedError(f"request {request_id} failed: {message}"))
+            self._fail_request(request_id, RequestFailedError(request_id, message))
         self._record(scheduler_stats, self._request_stats.make_iteration_stats(
             outputs, processed.reqs_to_abort, scheduler_stats, time.monotonic()))
 

@@ -29,4 +29,12 @@ class InvalidRequestError(ValueError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request alone (a fault in its own state, inputs or sampling); it goes on
-    serving the others."""
+    serving the others.
+
+    Args:
+        request_id: the request, as its caller named it.
+        reason: what failed, as the engine reported it.
+    """
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id} failed: {reason}")

@@ -111,7 +111,7 @@ class LLM:
                     self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
                     self._drain()
                     request_id, message = next(iter(processed.failed.items()))
-                    raise RequestFailedError(f"request {request_id} failed: {message}")
+                    raise RequestFailedError(request_id, message)
                 for output in processed.request_outputs:
                     if output.finished:
                         finished[output.request_id] = output

@@ -251,3 +251,27 @@ def test_the_server_answers_a_failed_request_with_a_500_and_serves_the_others(se
         assert streamed.status_code == 500 and streamed.json()["error"]["code"] == "request_failed"
         ok = client.post("/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_llm_raises_for_a_failed_request_and_serves_the_next_call(monkeypatch):
+    """Offline: ``generate`` returns all or nothing, so a failed request is an error for the call; the
+    other requests are aborted and the engine serves the next call."""
+    from engine import LLM
+    from engine.worker.input_batch import InputBatch
+
+    original = InputBatch.add_request
+
+    def add_request(self, state):
+        if state.sampling_params.seed == 12345:
+            raise RuntimeError("insert injected")
+        return original(self, state)
+
+    monkeypatch.setattr(InputBatch, "add_request", add_request)
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes="16MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RequestFailedError, match=r"request \d+ failed: RuntimeError\('insert injected'\)"):
+        llm.generate(["Hello", "Hi"], [params, SamplingParams(temperature=0.0, max_tokens=4, seed=12345)],
+                     use_tqdm=False)
+    assert not llm.engine_core.has_unfinished_requests() and not llm.output_processor.has_unfinished_requests()
+    assert llm.engine_core.make_stats().kv_cache_usage == 0.0
+    assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
