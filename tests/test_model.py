@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from engine.chat_template import chat_prompt_token_ids
 from engine.model.linear import ColumnParallelLinear
-from engine.model.linear_methods import OneDNNPackedLinearMethod, linear_method_for
+from engine.model.linear_methods import EXACT_ROWS, OneDNNPackedLinearMethod, linear_method_for, padded_num_rows
 from engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
@@ -119,9 +119,10 @@ def test_cpu_load_packs_every_linear_weight_including_the_tied_head(smollm2) -> 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("rows", [1, 16, 65, 300])
 def test_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
-    """bf16 is bit-identical here; fp32 sums in another order, so it agrees to about 1e-6 relative."""
+    """bf16 is bit-identical here; fp32 sums in another order, so it agrees to about 1e-6 relative. 65 and
+    300 rows run padded (to 68 and 304): the padding rows never reach the output."""
     method = linear_method_for(CPU, dtype)
     if not isinstance(method, OneDNNPackedLinearMethod):
         pytest.skip(f"oneDNN cannot pack {dtype} weights on this CPU")
@@ -134,6 +135,16 @@ def test_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     expected = F.linear(x, weight, bias)
     tolerance = {"rtol": 0, "atol": 0} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(linear(x), expected, **tolerance)
+    torch.testing.assert_close(linear(x.view(1, rows, 64)), expected.view(1, rows, 96), **tolerance)
+
+
+def test_onednn_row_counts_fall_in_few_buckets() -> None:
+    """Every batch size up to 2,048 rows maps to one of 144 GEMM shapes, with under 1/16 of padding."""
+    padded = [padded_num_rows(rows) for rows in range(1, 2049)]
+    assert padded[:EXACT_ROWS] == list(range(1, EXACT_ROWS + 1))
+    assert all(rows <= size and (size - rows) * 16 < size for rows, size in enumerate(padded, start=1))
+    assert padded == sorted(padded) and len(set(padded)) == 144
+    assert padded_num_rows(2048) == 2048 and padded_num_rows(1025) == 1088
 
 
 def test_smollm2_greedy_decode_matches_transformers_generate(smollm2) -> None:
