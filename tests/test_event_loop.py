@@ -14,17 +14,20 @@ from tests.conftest import Served
 HUGE_PROMPT = "hello world " * 1_300_000  # 15.6 MB
 
 
-# Polls /health from a process of its own until its stdin closes, then prints the latencies (s) as JSON: a
-# thread of the test's process would share the GIL with the server under test and with the client's encoding.
+# Polls /health from a process of its own: says "ready" after its first answer, then polls until its stdin
+# closes and prints the latencies (s) as JSON. A thread of the test's process would share the GIL with the
+# server under test and with the client's encoding.
 HEALTH_PROBE = """
 import json, select, sys, time
 import httpx
 latencies = []
 with httpx.Client(base_url=sys.argv[1], timeout=10) as client:
-    while not select.select([sys.stdin], [], [], 0.01)[0]:
+    while not latencies or not select.select([sys.stdin], [], [], 0.01)[0]:
         started = time.monotonic()
         assert client.get("/health").status_code == 200
         latencies.append(time.monotonic() - started)
+        if len(latencies) == 1:
+            print("ready", flush=True)
 print(json.dumps(latencies))
 """
 
@@ -34,14 +37,20 @@ def test_a_huge_prompt_is_refused_while_health_stays_fast(served: Served) -> Non
     prober = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, served.url], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)  # the probe is polling
+        assert prober.stdout.readline() == "ready\n"
         started = time.monotonic()
         response = httpx.post(f"{served.url}/v1/completions", content=body,
                               headers={"content-type": "application/json"}, timeout=60)
         elapsed = time.monotonic() - started
     finally:
-        out, _ = prober.communicate(timeout=30)
-    latencies = json.loads(out)
+        try:
+            out, _ = prober.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            prober.kill()
+            prober.communicate()
+            raise
+    assert prober.returncode == 0
+    latencies = json.loads(out.splitlines()[-1])
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert "maximum context length" in response.json()["error"]["message"]
     print(f"refused in {elapsed:.2f} s; /health max {max(latencies) * 1000:.0f} ms over {len(latencies)}")
