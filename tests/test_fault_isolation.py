@@ -98,10 +98,15 @@ def assert_isolated(core: EngineCore, tokens: dict[str, list[int]], errors: dict
     assert not runner.requests and runner.input_batch.num_reqs == 0 and core.make_stats().kv_cache_usage == 0
 
 
-def fail_for_bad(original, message: str, req_id_of):
-    """Wrap ``original`` to raise ``RuntimeError(message)`` when ``req_id_of(*args)`` is ``bad``."""
+# The requests the end-to-end tests below make fail carry this seed.
+FAULTY_SEED = 12345
+
+
+def fail_for_bad(original, message: str, key_of, bad="bad"):
+    """Wrap ``original`` to raise ``RuntimeError(message)`` when ``key_of(*args)`` equals ``bad`` (by default
+    the request id ``"bad"``)."""
     def wrapper(*args, **kwargs):
-        if req_id_of(*args, **kwargs) == "bad":
+        if key_of(*args, **kwargs) == bad:
             raise RuntimeError(message)
         return original(*args, **kwargs)
     return wrapper
@@ -229,25 +234,17 @@ def test_the_server_answers_a_failed_request_with_a_500_and_serves_the_others(se
     completion is served."""
     import httpx
 
-    from engine.worker.input_batch import InputBatch
-
-    original = InputBatch.add_request
-
-    def add_request(self, state):
-        if state.sampling_params.seed == 12345:
-            raise RuntimeError("insert injected")
-        return original(self, state)
-
-    monkeypatch.setattr(InputBatch, "add_request", add_request)
+    monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
+        InputBatch.add_request, "insert injected", lambda self, state: state.sampling_params.seed, bad=FAULTY_SEED))
     served = serve_fresh_engine(max_model_len=256, kv_cache_memory_bytes="16MiB")
     body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0.0}
     with httpx.Client(base_url=served.url, timeout=60) as client:
-        failed = client.post("/v1/completions", json=body | {"seed": 12345})
+        failed = client.post("/v1/completions", json=body | {"seed": FAULTY_SEED})
         assert failed.status_code == 500
         assert failed.json()["error"]["code"] == "request_failed"
         assert "insert injected" in failed.json()["error"]["message"]
         # Failed before its first token, a stream is answered as a plain request would be.
-        streamed = client.post("/v1/completions", json=body | {"seed": 12345, "stream": True})
+        streamed = client.post("/v1/completions", json=body | {"seed": FAULTY_SEED, "stream": True})
         assert streamed.status_code == 500 and streamed.json()["error"]["code"] == "request_failed"
         ok = client.post("/v1/completions", json=body)
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
@@ -257,20 +254,13 @@ def test_llm_raises_for_a_failed_request_and_serves_the_next_call(monkeypatch):
     """Offline: ``generate`` returns all or nothing, so a failed request is an error for the call; the
     other requests are aborted and the engine serves the next call."""
     from engine import LLM
-    from engine.worker.input_batch import InputBatch
 
-    original = InputBatch.add_request
-
-    def add_request(self, state):
-        if state.sampling_params.seed == 12345:
-            raise RuntimeError("insert injected")
-        return original(self, state)
-
-    monkeypatch.setattr(InputBatch, "add_request", add_request)
+    monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
+        InputBatch.add_request, "insert injected", lambda self, state: state.sampling_params.seed, bad=FAULTY_SEED))
     llm = LLM(max_model_len=256, kv_cache_memory_bytes="16MiB")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with pytest.raises(RequestFailedError, match=r"request \d+ failed: RuntimeError\('insert injected'\)"):
-        llm.generate(["Hello", "Hi"], [params, SamplingParams(temperature=0.0, max_tokens=4, seed=12345)],
+        llm.generate(["Hello", "Hi"], [params, SamplingParams(temperature=0.0, max_tokens=4, seed=FAULTY_SEED)],
                      use_tqdm=False)
     assert not llm.engine_core.has_unfinished_requests() and not llm.output_processor.has_unfinished_requests()
     assert llm.engine_core.make_stats().kv_cache_usage == 0.0
