@@ -32,13 +32,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from engine.config import EngineArgs, EngineConfig
+from engine.config import EngineArgs
 from engine.core.scheduler import SchedulerStats
 from engine.engine_core import EngineCore
 from engine.errors import RequestFailedError
 from engine.input_processor import InputProcessor, ProcessedRequest
+from engine.loading import LoadedEngine, load_engine
 from engine.metrics.loggers import StatLogger
 from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.output_processor import OutputProcessor, RequestOutputKind
@@ -54,13 +54,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting_requests`` allows."""
-
-
-class LoadedEngine(NamedTuple):
-    """What ``AsyncLLM.load`` builds before any event loop runs: ``AsyncLLM(*loaded, loop)`` starts it."""
-
-    engine_core: EngineCore
-    processor: InputProcessor
 
 
 @dataclass
@@ -137,8 +130,7 @@ class AsyncLLM:
                 a KV cache too small for ``max_model_len``), naming it.
             OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
         """
-        engine_core = EngineCore(EngineConfig.from_args(args))
-        return LoadedEngine(engine_core, InputProcessor.from_config(engine_core.config))
+        return load_engine(args)
 
     # ------------------------------------------------------------------ engine thread
 
@@ -335,3 +327,5 @@ class AsyncLLM:
         await asyncio.to_thread(self._thread.join, timeout_s)
         if not self._thread.is_alive():  # a thread still stepping must keep its workers
             self.engine_core.shutdown()
+        if self.processor.grammars is not None:
+            self.processor.grammars.shutdown()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from engine.config import EngineConfig
 from engine.core.draft_proposer import DraftProposer
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.structured_output import StructuredOutputManager
 from engine.executor.abstract import Executor
 from engine.executor.uniproc import UniProcExecutor
 from engine.outputs import EngineCoreOutput
@@ -28,6 +30,9 @@ from engine.profiling import region
 from engine.request import EngineCoreRequest, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+#: How long a step that could schedule nothing (every waiting request's grammar still compiling) sleeps.
+GRAMMAR_WAIT_S = 0.001
 
 
 class EngineCore:
@@ -38,6 +43,8 @@ class EngineCore:
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
         executor_class: how to run the workers.
         drafter: proposes draft tokens for speculative decoding; None = none.
+        structured_output_manager: owns the grammars of constrained requests; None = requests with
+            ``structured_outputs`` are refused.
 
     Raises:
         ValueError: a setting the device cannot honour, or a KV cache that cannot hold one request of
@@ -45,13 +52,15 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor,
-                 drafter: DraftProposer | None = None) -> None:
+                 drafter: DraftProposer | None = None,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         self.executor = executor_class(config)
         num_blocks = self._num_kv_blocks(config)
         self.executor.initialize_kv_cache(num_blocks)
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
-        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config, drafter=drafter)
+        self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,
+                                   structured_output_manager=structured_output_manager, drafter=drafter)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         args, block_size = config.args, config.cache_config.block_size
@@ -102,6 +111,9 @@ class EngineCore:
         with region("engine_core.step"):
             with region("scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
+                # Only requests whose grammars are compiling: let the compiler threads have the CPU.
+                time.sleep(GRAMMAR_WAIT_S)
             model_runner_output = self.executor.execute_model(scheduler_output)
             if model_runner_output is None:
                 grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)

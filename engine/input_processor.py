@@ -24,11 +24,11 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from engine.chat_template import chat_prompt_token_ids
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig
 from engine.errors import InvalidRequestError
-from engine.model.loader import ModelSource, load_tokenizer
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarCompiler
 
 #: A prompt as text, or as token ids.
 PromptType = str | list[int]
@@ -117,33 +117,25 @@ class InputProcessor:
         tokenizer: the model's tokenizer.
         cache_config: the KV cache as allocated (``num_blocks`` filled in by the engine core).
         max_logprobs: the most logprobs a request may ask for, per token.
+        grammars: compiles structured-output constraints (shared with the engine core's manager);
+            None = constrained requests are refused.
 
     Raises:
         ValueError: a ``cache_config`` whose ``num_blocks`` the engine core has not filled in.
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, cache_config: CacheConfig,
-                 max_logprobs: int) -> None:
+                 max_logprobs: int, grammars: GrammarCompiler | None = None) -> None:
         if cache_config.num_blocks < 2:
             raise ValueError("cache_config.num_blocks is not set: build the processor from an engine core's config")
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
+        self.grammars = grammars
         # Block 0 is the null block and holds no tokens.
         self.kv_cache_tokens = (cache_config.num_blocks - 1) * cache_config.block_size
         eos = tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else getattr(model_config.hf_config, "eos_token_id", None)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> InputProcessor:
-        """Load the model's tokenizer (blocking) and build the processor for an engine core's ``config``.
-
-        Raises:
-            OSError: tokenizer files that cannot be read.
-        """
-        model_config = config.model_config
-        tokenizer = load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
-        return cls(model_config, tokenizer, config.cache_config, config.args.max_logprobs)
 
     @functools.cached_property
     def max_chars_per_token(self) -> int:
@@ -174,8 +166,8 @@ class InputProcessor:
         self.check_length(len(prompt), param)
         return await _run_sized(len(prompt), self.tokenize, prompt)
 
-    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]],
-                                add_generation_prompt: bool = True) -> list[int]:
+    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """``render_chat``, after ``check_length`` on the messages' text; a large conversation is rendered
         off the event loop.
 
@@ -184,7 +176,7 @@ class InputProcessor:
         """
         num_chars = sum(len(str(message.get("content") or "")) for message in messages)
         self.check_length(num_chars, "messages")
-        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt)
+        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools)
 
     async def process_async(self, prompt: PromptType, params: SamplingParams,
                             default_max_tokens: int | None = None) -> ProcessedRequest:
@@ -192,14 +184,36 @@ class InputProcessor:
         num_chars = len(prompt) if isinstance(prompt, str) else 0
         if num_chars:
             self.check_length(num_chars, "prompt")
+        await self.check_grammar_async(params)
         return await _run_sized(num_chars, self.process, prompt, params, default_max_tokens)
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint (blocking), so that a bad one fails now.
+
+        Raises:
+            InvalidRequestError: (``structured_outputs``) llguidance's message for a schema, regex or grammar it
+                refuses, or JSON-schema features it cannot enforce; or no grammar compiler.
+        """
+        if params.structured_outputs is not None and self.grammars is None:
+            raise InvalidRequestError("structured output is not available in this engine", "structured_outputs")
+        if self.grammars is not None:
+            self.grammars.check(params.structured_outputs)
+
+    async def check_grammar_async(self, params: SamplingParams) -> None:
+        """``check_grammar`` compiling on the grammar pool, not the event loop; ``process`` then finds it cached."""
+        if self.grammars is None:
+            self.check_grammar(params)
+        else:
+            await self.grammars.check_async(params.structured_outputs)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
         """The token ids of a text prompt (with the special tokens the tokenizer adds), or the ids given."""
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt token ids of chat messages, exactly as the tokenizer's ``apply_chat_template`` makes them.
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+        """The prompt token ids of chat messages (and ``tools``, for a template that takes them), exactly as
+        the tokenizer's ``apply_chat_template`` makes them.
 
         Raises:
             InvalidRequestError: (``messages``) no messages, or the template refuses them (or there is none).
@@ -207,7 +221,7 @@ class InputProcessor:
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         try:
-            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt)
+            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
 
@@ -228,8 +242,10 @@ class InputProcessor:
                 ``max_model_len``; token ids (prompt, ``stop_token_ids``, ``logit_bias``) outside the
                 vocabulary; more logprobs than ``max_logprobs``; ``min_tokens`` above the resolved
                 ``max_tokens``; a request that can outgrow the whole KV cache (``max_tokens``, or ``prompt``
-                when ``max_tokens`` was left open).
+                when ``max_tokens`` was left open); a structured-output constraint that does not compile
+                (``structured_outputs``, see ``check_grammar``).
         """
+        self.check_grammar(params)
         token_ids = self.tokenize(prompt)
         requested_max_tokens = params.max_tokens
         # replace() runs SamplingParams' checks again, so min_tokens is checked against the resolved max_tokens.

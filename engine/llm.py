@@ -9,10 +9,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineArgs, EngineConfig
-from engine.engine_core import EngineCore
+from engine.config import EngineArgs
 from engine.errors import RequestFailedError
-from engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from engine.input_processor import ProcessedRequest, PromptType
+from engine.loading import load_engine
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -34,8 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine_core = EngineCore(EngineConfig.from_args(EngineArgs(model=model, **engine_args)))
-        self.processor = InputProcessor.from_config(self.engine_core.config)
+        self.engine_core, self.processor = load_engine(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidRequestError
 
@@ -19,6 +21,57 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_SEED, SEED_END = -(2**63), 2**64
 #: ``top_k`` is held in int64 arrays; any value from the vocabulary size up means no limit.
 MAX_TOP_K = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's ``structured_outputs``): exactly one of the fields is set.
+
+    Attributes:
+        json: a JSON schema (a dict, or its JSON text) the output must be an instance of.
+        regex: a regular expression the whole output must match (Rust ``regex`` syntax).
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, in Lark or GBNF/EBNF syntax (llguidance's dialects).
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+
+    Raises:
+        InvalidRequestError: (``structured_outputs``) none or more than one constraint set, or one
+            of the wrong type.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise InvalidRequestError("structured_outputs must set exactly one of "
+                                      f"{', '.join(_CONSTRAINTS)}; got {kinds or 'none'}", "structured_outputs")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("structured_outputs choice must be a non-empty list of strings",
+                                      "structured_outputs")
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", json.loads(self.json))
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured_outputs json is not valid JSON: {exc}",
+                                          "structured_outputs") from exc
+        if self.json is not None and not isinstance(self.json, dict | bool):
+            raise InvalidRequestError("structured_outputs json must be a JSON schema (an object)",
+                                      "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: ``json``, ``regex``, ``choice``, ``grammar`` or ``json_object``."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -49,6 +102,7 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs per prompt token.
         skip_special_tokens: drop special tokens from the output text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar; None = free.
 
     Raises:
         InvalidRequestError: on any value outside its range (NaN and infinities included); ``param``
@@ -74,6 +128,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -23,8 +23,9 @@ from fastapi.openapi.utils import get_openapi
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_llm import AsyncLLM, LoadedEngine
+from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs, parse_size
+from engine.loading import LoadedEngine
 from server import __version__
 from server.chat import create_chat_completion
 from server.completions import create_completion
@@ -54,8 +55,12 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     check_fields,
-    conversation,
 )
+from server.responses import ResponseStore, create_response, response_not_found, retrieve_response
+from server.responses_protocol import DeletedResponse, ResponsesRequest
+from server.responses_protocol import Response as ResponsesResponse
+from server.tool_calling import TOOL_PARSER_CHOICES, plan_tools, tool_parser_class
+from server.tool_calling.prompt import render_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +97,9 @@ class ServerArgs:
     disable_fastapi_docs: bool = _arg(
         False, "Serve no /docs, /redoc nor /openapi.json; they stay open otherwise, api_key or not, as in "
         "vLLM (they describe the API, not its data)")
+    tool_call_parser: str = _arg(
+        "auto", "How the model writes tool calls, for chat requests with tools; auto = the format its chat "
+        "template shows, else hermes (<tool_call> JSON </tool_call>)", choices=TOOL_PARSER_CHOICES)
 
     def __post_init__(self) -> None:
         self.max_request_body_bytes = parse_size(self.max_request_body_bytes)
@@ -105,6 +113,8 @@ class ServerArgs:
             raise ValueError(f"log_format must be one of {LOG_FORMATS}, got {self.log_format!r}")
         if self.log_stats_interval_s < 0:
             raise ValueError(f"log_stats_interval_s must be >= 0, got {self.log_stats_interval_s}")
+        if self.tool_call_parser not in TOOL_PARSER_CHOICES:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_PARSER_CHOICES}, got {self.tool_call_parser!r}")
 
 
 class APIKeyMiddleware:
@@ -206,7 +216,37 @@ async def completions(body: CompletionRequest, request: Request, engine: Engine)
 @router.post("/v1/chat/completions", response_model=None, responses=_generation_responses(
     ChatCompletionResponse, "The chat completion, or with stream a stream of ChatCompletionChunk"))
 async def chat_completions(body: ChatCompletionRequest, request: Request, engine: Engine) -> Any:
-    return await _cancel_on_disconnect(request, create_chat_completion(body, engine))
+    return await _cancel_on_disconnect(request, create_chat_completion(body, engine,
+                                                                       request.app.state.tool_call_parser))
+
+
+#: One server-sent event of a streamed response: its type, and its JSON with the same ``type``.
+_RESPONSES_STREAM = {"schema": {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json"}},
+    "description": "Server-sent events, each 'event: <type>' and 'data: <event JSON>'; the last is "
+                   "response.completed, response.incomplete or response.failed"}}
+
+
+@router.post("/v1/responses", response_model=None, responses={
+    200: {"model": ResponsesResponse, "description": "The response, or with stream its typed events",
+          "content": {"text/event-stream": _RESPONSES_STREAM}}, **_GENERATION_ERRORS})
+async def responses(body: ResponsesRequest, request: Request, engine: Engine) -> Any:
+    return await _cancel_on_disconnect(request, create_response(body, engine, ResponseStore.of(request.app),
+                                                                request.app.state.tool_call_parser))
+
+
+@router.get("/v1/responses/{response_id}", responses=_errors(HTTPStatus.NOT_FOUND))
+async def get_response(response_id: str, request: Request) -> ResponsesResponse:
+    """A stored response (``store``, the default); 404 once it is deleted, expired or evicted."""
+    return retrieve_response(ResponseStore.of(request.app), response_id)
+
+
+@router.delete("/v1/responses/{response_id}", responses=_errors(HTTPStatus.NOT_FOUND))
+async def delete_response(response_id: str, request: Request) -> DeletedResponse:
+    if not ResponseStore.of(request.app).delete(response_id):
+        raise response_not_found(response_id)
+    return DeletedResponse(id=response_id)
 
 
 @router.get("/v1/models")
@@ -242,8 +282,8 @@ async def version() -> dict[str, str]:
 
 
 @router.post("/tokenize", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND))
-async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
-    """Token ids of a prompt, or of chat messages rendered with the chat template."""
+async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> TokenizeResponse:
+    """Token ids of a prompt, or of chat messages (and tools) rendered as a chat request renders them."""
     check_model(body.model, engine.model_name)
     check_fields(body)
     if (body.prompt is None) == (body.messages is None):
@@ -251,7 +291,10 @@ async def tokenize(body: TokenizeRequest, engine: Engine) -> TokenizeResponse:
     with engine_errors():
         # Large inputs are refused by length or tokenized off the event loop, as in the generation routes.
         if body.messages is not None:
-            tokens = await engine.processor.render_chat_async(conversation(body.messages), body.add_generation_prompt)
+            template = str(engine.tokenizer.chat_template or "")
+            tool_format = tool_parser_class(request.app.state.tool_call_parser, template)
+            messages, tools = render_inputs(body.messages, plan_tools(body, None, None), tool_format, engine.tokenizer)
+            tokens = await engine.processor.render_chat_async(messages, body.add_generation_prompt, tools)
         else:
             tokens = await engine.processor.tokenize_async(body.prompt)
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
@@ -354,6 +397,7 @@ def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | N
     if server_args.disable_fastapi_docs:
         docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="pagedserve", version=__version__, lifespan=lifespan, middleware=middleware, **docs)
+    app.state.tool_call_parser = server_args.tool_call_parser
     add_exception_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)

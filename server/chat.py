@@ -4,6 +4,8 @@ Logprobs use the chat shape: ``content[{token, logprob, bytes, top_logprobs[]}]`
 vLLM's ``prompt_logprobs`` come at the top of the response, in vLLM's shape.
 A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice
 (then, with vLLM's ``echo``, one delta per choice with the echoed content).
+With ``tools``, the reply is split into ``content`` and ``tool_calls`` by the model's tool parser
+(``server.tool_calling``), whole or delta by delta.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from engine.async_llm import AsyncLLM
 from engine.output_processor import RequestOutputKind
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from engine.sampling_params import StructuredOutputsParams
 from server.errors import (
     bad_request,
     check_model,
@@ -35,12 +38,16 @@ from server.protocol import (
     TokenLogprob,
     TopLogprob,
     UsageInfo,
-    conversation,
+    first_chunk_awaited,
     openai_finish_reason,
     prompt_logprobs,
     sse_response,
     unix_time,
 )
+from server.tool_calling import ToolParser, plan_tools, tool_parser_class
+from server.tool_calling.output import StreamedReply, reply_message
+from server.tool_calling.output import finish_reason as tool_finish_reason
+from server.tool_calling.prompt import render_inputs
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:
@@ -73,9 +80,24 @@ def _logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprobs]) 
         for lp in entries])
 
 
-async def create_chat_completion(request: ChatCompletionRequest,
-                                 engine: AsyncLLM) -> ChatCompletionResponse | EventSourceResponse:
-    """Run a chat request: a ``ChatCompletionResponse``, or an SSE stream of chunks.
+async def create_chat_completion(request: ChatCompletionRequest, engine: AsyncLLM,
+                                 tool_call_parser: str = "auto") -> ChatCompletionResponse | EventSourceResponse:
+    """Run a chat request: a ``ChatCompletionResponse``, or an SSE stream of chunks (``run_chat``'s).
+
+    Raises:
+        OpenAIError: as ``run_chat``.
+    """
+    result = await run_chat(request, engine, tool_call_parser)
+    return result if isinstance(result, ChatCompletionResponse) else sse_response(result)
+
+
+async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_parser: str = "auto"
+                   ) -> ChatCompletionResponse | AsyncGenerator[ChatCompletionChunk, None]:
+    """Run a chat request: a ``ChatCompletionResponse``, or (``stream``) its chunks, the first one already
+    produced, so that a request the engine refuses raises here, before any response starts; an error
+    after that is raised by the generator. Closing the generator aborts the request.
+
+    ``tool_call_parser`` (``--tool-call-parser``) names the tool-call format, ``auto`` = the model's.
 
     Unset sampling fields take the model's defaults (``--generation-config``).
     Without ``max_completion_tokens`` / ``max_tokens`` the reply may use all the
@@ -89,33 +111,38 @@ async def create_chat_completion(request: ChatCompletionRequest,
     _check_supported(request)
     # Errors name the field the client set: chat's names for SamplingParams' max_tokens and logprobs.
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
-    client_names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
+    structured_outputs, structured_param = request.structured_output()
+    plan = plan_tools(request, structured_outputs, structured_param)
+    tool_format = tool_parser_class(tool_call_parser, str(engine.tokenizer.chat_template or ""))
+    parser = tool_format if plan is not None and plan.active else None
+    if parser is not None:  # the reply is held to the call format (and the answer schema, if any)
+        structured_outputs, structured_param = StructuredOutputsParams(grammar=parser.grammar(plan)), "tools"
+    client_names = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs", "structured_outputs": structured_param}
     requested = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     with engine_errors(client_names):
         params = request.to_sampling_params(requested, logprobs, request.prompt_logprobs,
-                                            engine.default_sampling_params)
+                                            engine.default_sampling_params, structured_outputs)
         # Checked by length, then rendered off the event loop when large: other clients never wait on it.
-        token_ids = await engine.processor.render_chat_async(conversation(request.messages),
-                                                             request.add_generation_prompt)
+        messages, tools = render_inputs(request.messages, plan, tool_format, engine.tokenizer)
+        token_ids = await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools)
+        await engine.processor.check_grammar_async(params)  # compiled off the loop; process() finds it cached
         prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(prompt, request_id, kind)
     stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n, client_names,
                          ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
-                                             choices=[]))
+                                             choices=[]), parser)
     if request.stream:
-        return await sse_response(stream.chunks(outputs))
+        return await first_chunk_awaited(stream.chunks(outputs))
     with engine_errors(client_names):
         async with aclosing(outputs):
             async for output in outputs:  # FINAL_ONLY: one output, once every choice is done
                 final = output
     response = ChatCompletionResponse(
         id=request_id, created=stream.head.created, model=engine.model_name,
-        choices=[ChatChoice(index=c.index, message=AssistantMessage(content=stream.echo + c.text),
-                            logprobs=stream.logprobs(c), finish_reason=openai_finish_reason(c.finish_reason))
-                 for c in final.outputs],
+        choices=[stream.whole_choice(c) for c in final.outputs],
         usage=UsageInfo.of(len(token_ids), sum(len(c.token_ids) for c in final.outputs)))
     if request.prompt_logprobs is not None:
         response.prompt_logprobs = prompt_logprobs(engine.tokenizer, final.prompt_logprobs or [])
@@ -126,7 +153,8 @@ class _ChatStream:
     """The chunks of one streamed chat request, all sharing ``head``'s id and timestamp."""
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase,
-                 num_prompt_tokens: int, n: int, client_names: dict[str, str], head: ChatCompletionChunk) -> None:
+                 num_prompt_tokens: int, n: int, client_names: dict[str, str], head: ChatCompletionChunk,
+                 tool_parser: type[ToolParser] | None = None) -> None:
         self.request = request
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
@@ -134,9 +162,23 @@ class _ChatStream:
         self.client_names = client_names
         self.head = head
         self.echo = _echoed_content(request)
+        self.tool_parser = tool_parser
+        # One tool parser per choice: each reply is parsed on its own.
+        self.replies = {index: StreamedReply(tool_parser()) for index in range(n)} if tool_parser else None
 
     def logprobs(self, completion: CompletionOutput) -> ChatLogProbs | None:
         return _logprobs(self.tokenizer, completion.logprobs or []) if self.request.logprobs else None
+
+    def whole_choice(self, completion: CompletionOutput) -> ChatChoice:
+        """A finished choice of a whole (not streamed) response."""
+        reason = openai_finish_reason(completion.finish_reason)
+        if self.tool_parser is None:
+            message = AssistantMessage(content=self.echo + completion.text)
+        else:
+            message, made_calls = reply_message(self.tool_parser(), completion.text, self.echo)
+            reason = tool_finish_reason(reason, made_calls)
+        return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
+                          finish_reason=reason)
 
     def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return self.head.model_copy(update={"choices": [choice]})
@@ -162,11 +204,16 @@ class _ChatStream:
                     for completion in output.outputs:
                         num_output_tokens += len(completion.token_ids)
                         logprobs = self.logprobs(completion)
-                        if completion.text or (logprobs and logprobs.content) or completion.finished:
+                        content, tool_calls = completion.text or None, None
+                        reason = openai_finish_reason(completion.finish_reason)
+                        if self.replies is not None:
+                            reply = self.replies[completion.index]
+                            content, tool_calls = reply.delta(completion.text, completion.finished)
+                            reason = tool_finish_reason(reason, reply.made_calls)
+                        if content or tool_calls or (logprobs and logprobs.content) or completion.finished:
                             yield self._chunk(ChatStreamChoice(
-                                index=completion.index, delta=DeltaMessage(content=completion.text or None),
-                                logprobs=logprobs,
-                                finish_reason=openai_finish_reason(completion.finish_reason)))
+                                index=completion.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
+                                logprobs=logprobs, finish_reason=reason))
         if self.request.include_usage:
             usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
             yield self.head.model_copy(update={"usage": usage})

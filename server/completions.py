@@ -34,6 +34,7 @@ from server.protocol import (
     CompletionResponse,
     PromptInput,
     UsageInfo,
+    first_chunk_awaited,
     openai_finish_reason,
     prompt_logprobs,
     sse_response,
@@ -130,10 +131,12 @@ async def create_completion(request: CompletionRequest,
     num_prompt_logprobs = request.prompt_logprobs
     if num_prompt_logprobs is None and request.echo:
         num_prompt_logprobs = request.logprobs
-    with engine_errors():
+    structured_outputs, structured_param = request.structured_output()
+    with engine_errors({"structured_outputs": structured_param}):
         params = request.to_sampling_params(request.max_tokens, logprobs=request.logprobs,
                                             prompt_logprobs=num_prompt_logprobs,
-                                            defaults=engine.default_sampling_params)
+                                            defaults=engine.default_sampling_params,
+                                            structured_outputs=structured_outputs)
         # Every prompt is checked before any is queued.
         default_max_tokens = engine.default_sampling_params.get("max_tokens")
         # Each checked by length, then tokenized off the event loop when large.
@@ -146,7 +149,7 @@ async def create_completion(request: CompletionRequest,
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if request.stream:
         chunks = _chunks(response, request.include_usage, num_prompt_tokens, builder, outputs)
-        return await sse_response(chunks)
+        return sse_response(await first_chunk_awaited(chunks))
     num_output_tokens = 0
     with engine_errors():
         async with aclosing(outputs):

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -39,11 +39,14 @@ from pydantic import (
 )
 from sse_starlette import EventSourceResponse
 
+from engine.errors import InvalidRequestError
 from engine.outputs import FinishReason, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import OpenAIError, bad_request
 
 logger = logging.getLogger(__name__)
+
+_Chunk = TypeVar("_Chunk")
 
 #: Most completions one request may ask for per prompt (``n``, ``best_of``): OpenAI's documented maximum.
 MAX_N = 128
@@ -103,25 +106,17 @@ class RequestBody(OpenAIBaseModel):
 
 #: Fields that would change the output but are not implemented: name -> (what it asks for, the values
 #: that ask for nothing). A request setting one to anything else (null asks for nothing too) gets a 400
-#: naming it, never an answer made without it. Structured output and tool calling are to come.
+#: naming it, never an answer made without it.
 UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     # OpenAI's
-    "tools": ("tool calling", ()),
-    "tool_choice": ("tool calling", ("none",)),
-    "functions": ("function calling", ()),
+    "functions": ("function calling (deprecated by OpenAI; use tools)", ()),
     "function_call": ("function calling", ("none",)),
-    "response_format": ("structured output", ({"type": "text"},)),
     "reasoning_effort": ("reasoning; no reasoning model is served", ()),
     "audio": ("audio output", ()),
     "modalities": ("output other than text", (["text"],)),
     "web_search_options": ("web search", ()),
     "suffix": ("fill in the middle", ()),
     # vLLM's
-    "guided_json": ("structured output", ()),
-    "guided_regex": ("structured output", ()),
-    "guided_choice": ("structured output", ()),
-    "guided_grammar": ("structured output", ()),
-    "structured_outputs": ("structured output", ()),
     "use_beam_search": ("beam search", (False,)),
     "length_penalty": ("beam search", (1.0,)),
     "allowed_token_ids": ("sampling from given tokens only", ()),
@@ -153,20 +148,22 @@ def _unknown_fields(model: BaseModel, prefix: str = "") -> Iterator[str]:
                 yield from _unknown_fields(item, f"{prefix}{name}.")
 
 
-def check_fields(request: BaseModel) -> None:
-    """Refuse the fields of ``UNSUPPORTED_FIELDS`` that ask for something; log the other unknown ones,
-    each field name once per process (clients repeat them on every request).
+def check_fields(request: BaseModel,
+                 unsupported: dict[str, tuple[str, tuple[Any, ...]]] = UNSUPPORTED_FIELDS) -> None:
+    """Refuse the fields of ``unsupported`` (a table shaped as ``UNSUPPORTED_FIELDS``) that ask for
+    something; log the other unknown ones, each field name once per process (clients repeat them on
+    every request).
 
     Raises:
         OpenAIError: 400 naming the first unsupported field set.
     """
     for name, value in (request.model_extra or {}).items():
-        if name in UNSUPPORTED_FIELDS and value is not None and value not in UNSUPPORTED_FIELDS[name][1]:
-            asks_for, harmless = UNSUPPORTED_FIELDS[name]
+        if name in unsupported and value is not None and value not in unsupported[name][1]:
+            asks_for, harmless = unsupported[name]
             alternative = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
             raise bad_request(f"'{name}' is not supported yet ({asks_for}): remove it from the "
                               f"request{alternative}.", name)
-    new = {name for name in _unknown_fields(request) if name not in UNSUPPORTED_FIELDS} - _logged_unknown_fields
+    new = {name for name in _unknown_fields(request) if name not in unsupported} - _logged_unknown_fields
     if new and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:
         logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
         _logged_unknown_fields.update(new)
@@ -177,6 +174,35 @@ def check_fields(request: BaseModel) -> None:
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
+
+
+class JSONSchemaFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint. Unknown keys are refused (each would change
+    the output)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
 
 
 class SamplingRequest(RequestBody):
@@ -209,6 +235,13 @@ class SamplingRequest(RequestBody):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     prompt_logprobs: StrictInt | None = None  # top logprobs per prompt token, in vLLM's shape; not streamed
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -233,8 +266,44 @@ class SamplingRequest(RequestBody):
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
+    def structured_output(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that set it (for errors); ``(None, None)`` when free.
+
+        Raises:
+            OpenAIError: 400 when more than one field sets a constraint, or ``response_format`` is
+                ``json_schema`` without a schema.
+        """
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif self.response_format.json_schema is None or self.response_format.json_schema.schema_ is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  "response_format.json_schema")
+            else:
+                given.append(("response_format.json_schema.schema",
+                              {"json": self.response_format.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs",
+                          {k.rstrip("_"): v for k, v in self.structured_outputs if v is not None}))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                given.append((f"guided_{name}", {name: value}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise bad_request(f"only one structured output constraint may be given; got {given[0][0]} and "
+                              f"{given[1][0]}", given[1][0])
+        param, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields), param
+        except InvalidRequestError as exc:
+            raise bad_request(exc.message, param) from exc
+
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                           defaults: dict[str, Any] | None = None) -> SamplingParams:
+                           defaults: dict[str, Any] | None = None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's parameters for this request.
 
         Args:
@@ -244,6 +313,7 @@ class SamplingRequest(RequestBody):
             prompt_logprobs: top logprobs per prompt token; None = none.
             defaults: the model's values for the fields the request leaves unset
                 (``AsyncLLM.default_sampling_params``); its ``max_tokens`` is the ``InputProcessor``'s business.
+            structured_outputs: the output's constraint (``structured_output()``, or a tool grammar).
 
         Raises:
             InvalidRequestError: a value out of range, naming the field.
@@ -251,7 +321,7 @@ class SamplingRequest(RequestBody):
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         model_defaults = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              **(model_defaults | given))
+                              structured_outputs=structured_outputs, **(model_defaults | given))
 
 
 _SAMPLING_FIELDS = (
@@ -290,9 +360,25 @@ class TextContentPart(OpenAIBaseModel):
 MessageContent = Text | list[TextContentPart] | None
 
 
+class FunctionCall(OpenAIBaseModel):
+    """A call the model made: the function's name and its arguments as a JSON text."""
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: MessageContent = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message answers this call
 
     @field_validator("content")
     @classmethod
@@ -303,6 +389,14 @@ class ChatMessage(OpenAIBaseModel):
                                  f"got type {part.type!r}")
         return content
 
+    @model_validator(mode="after")
+    def _tool_fields_fit_role(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a message of role 'tool' needs the 'tool_call_id' of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages have 'tool_calls', not {self.role} messages")
+        return self
+
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM does."""
         if isinstance(self.content, list):
@@ -310,15 +404,68 @@ class ChatMessage(OpenAIBaseModel):
         return self.content or ""
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as a chat template takes them: ``{"role", "content"}`` with the content as text."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template takes them: ``role`` and ``content`` (as text), and where set an
+    assistant's ``tool_calls`` (``{"id", "type", "function": {"name", "arguments"}}``, the arguments a dict
+    when they are a JSON object, as templates expect), a tool message's ``tool_call_id`` and ``name``."""
+    rendered: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _json_object(call.function.arguments)}}
+                for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        rendered.append(message)
+    return rendered
+
+
+def _json_object(text: str) -> dict[str, Any] | str:
+    """``text`` parsed when it is a JSON object, else as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = no arguments
+    strict: StrictBool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: Text
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``, with vLLM's ``echo`` and ``add_generation_prompt``."""
 
     messages: list[ChatMessage]
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # None = "auto" with tools, "none" without
+    parallel_tool_calls: StrictBool = True
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
@@ -329,12 +476,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(RequestBody):
-    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
+    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``; with messages, ``tools`` and
+    ``tool_choice`` render as a chat request's do, so the count is the chat prompt's."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
 
 class DetokenizeRequest(RequestBody):
@@ -459,8 +610,12 @@ class ChatLogProbs(OpenAIBaseModel):
 
 
 class AssistantMessage(OpenAIBaseModel):
+    """The reply: ``content`` is null when the reply is only tool calls; ``tool_calls`` is left out when
+    there are none, as OpenAI does."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(Choice):
@@ -474,9 +629,33 @@ class ChatCompletionResponse(ResponseHead, WithPromptLogprobs):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A piece of a streamed tool call: the first carries ``id``, ``type`` and ``function.name``;
+    the next ones pieces of ``function.arguments``, which concatenate to its JSON text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -521,28 +700,36 @@ class DetokenizeResponse(OpenAIBaseModel):
 # --------------------------------------------------------------------------- streaming
 
 
-async def sse_response(chunks: AsyncGenerator[BaseModel, None]) -> EventSourceResponse:
-    """Stream ``chunks`` as server-sent events: ``data: {json}`` each, then ``data: [DONE]``.
-
-    The first chunk is awaited before the response starts, so that a request the
-    engine refuses gets its HTTP status (the chunk generators produce nothing
-    before the engine's first output). An ``OpenAIError`` raised later, once the
-    status is sent, becomes a ``data: {"error": ...}`` event before ``[DONE]``,
-    as vLLM does. When the client disconnects, sse-starlette cancels the stream
-    and ``chunks`` is closed, which aborts its requests in the engine.
-
-    Raises:
-        OpenAIError: whatever the first chunk raises (``chunks`` is closed then).
-    """
+async def first_chunk_awaited(chunks: AsyncGenerator[_Chunk, None]) -> AsyncGenerator[_Chunk, None]:
+    """``chunks``, once its first chunk has been produced: what the first chunk raises is raised here
+    (``chunks`` is closed then), so that a request the engine refuses gets its HTTP status before any
+    response starts (the chunk generators produce nothing before the engine's first output).
+    Closing the result closes ``chunks``, which aborts its requests in the engine."""
     try:
         first = await anext(chunks)
     except BaseException:
         await chunks.aclose()
         raise
 
+    async def all_chunks() -> AsyncGenerator[_Chunk, None]:
+        async with aclosing(chunks):
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+    return all_chunks()
+
+
+def sse_response(chunks: AsyncGenerator[BaseModel, None]) -> EventSourceResponse:
+    """Stream ``chunks`` (from ``first_chunk_awaited``) as server-sent events: ``data: {json}`` each, then
+    ``data: [DONE]``.
+
+    An ``OpenAIError`` raised once the status is sent becomes a ``data: {"error": ...}`` event before
+    ``[DONE]``, as vLLM does. When the client disconnects, sse-starlette cancels the stream and
+    ``chunks`` is closed, which aborts its requests in the engine.
+    """
     async def events() -> AsyncIterator[str]:
         async with aclosing(chunks):
-            yield first.model_dump_json()
             try:
                 async for chunk in chunks:
                     yield chunk.model_dump_json()

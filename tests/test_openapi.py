@@ -40,6 +40,8 @@ def _bounded(case: Any) -> Any:
         case.body["max_tokens"] = 2
         case.body.pop("max_completion_tokens", None)
         case.body["n"] = 1
+    if isinstance(case.body, dict) and case.path == "/v1/responses":
+        case.body["max_output_tokens"] = 2
     return case
 
 

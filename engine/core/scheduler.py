@@ -8,6 +8,10 @@ request cannot get blocks, the latest-arrived running request is preempted
 by recompute (its blocks are freed and it is recomputed later from its
 tokens), as in vLLM V1 and Kwon et al. 2023 (PagedAttention, arXiv:2309.06180).
 
+Structured output: a constrained request waits in the queue, skipped but keeping its place, until
+its grammar has compiled (off the engine thread); after each step its manager advances the grammar by
+the new tokens, and a grammar that allows nothing more finishes the request.
+
 Speculative decoding: a request's draft tokens (``Request.spec_token_ids``,
 from the drafter after each step) are scheduled after its last token like any
 other tokens; ``update_from_output`` keeps the accepted ones and rolls
@@ -89,6 +93,8 @@ class Scheduler:
         self._prev_step_scheduled: set[str] = set()
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # summed over steps, for the iteration-tokens metric
+        # Requests failed while waiting (a grammar that did not compile), reported by the next update.
+        self._failed_waiting: list[EngineCoreOutput] = []
 
     # ------------------------------------------------------------------ requests
 
@@ -98,10 +104,14 @@ class Scheduler:
         The frontend's ``InputProcessor`` has checked that it fits ``max_model_len`` and the KV cache.
 
         Raises:
-            ValueError: when its id is taken.
+            ValueError: when its id is taken, or it is constrained and there is no structured output manager.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("this engine has no structured output manager")
+            self.structured_output_manager.add_request(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -127,7 +137,7 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """True while anything is queued, running, or waiting for cleanup on the worker."""
-        return bool(self.waiting or self.running or self.finished_req_ids)
+        return bool(self.waiting or self.running or self.finished_req_ids or self._failed_waiting)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -194,8 +204,17 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
+        skipped: list[Request] = []  # waiting for their grammar; they keep their place in the queue
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            grammar_status = self._grammar_status(request)
+            if grammar_status is not None:
+                self.waiting.popleft()
+                if grammar_status == "pending":
+                    skipped.append(request)
+                else:  # did not compile: the frontend checks grammars, so only a fault gets here
+                    self._failed_waiting.append(self._fail_request(request, grammar_status))
+                continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens, plan.token_budget)
             if kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks) is None:
@@ -213,6 +232,13 @@ class Scheduler:
             plan.new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
+        self.waiting.extendleft(reversed(skipped))
+
+    def _grammar_status(self, request: Request) -> str | None:
+        """None when ``request`` has no grammar or it is ready; ``"pending"``, or why it failed."""
+        if request.sampling_params.structured_outputs is None:
+            return None
+        return self.structured_output_manager.grammar_status(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -279,7 +305,7 @@ class Scheduler:
             One ``EngineCoreOutput`` per request that produced tokens, prompt
             logprobs, or finished this step.
         """
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._failed_waiting = self._failed_waiting, []
         finished: set[str] = set()
         failed = model_runner_output.failed_req_ids
         for req_id, message in failed.items():
@@ -301,8 +327,7 @@ class Scheduler:
                 finished.add(req_id)
             if output is not None:
                 outputs.append(output)
-        # Grammars advance one token per step, so constrained decoding runs without drafts.
-        if self.drafter is not None and self.structured_output_manager is None:
+        if self.drafter is not None:
             outputs += self._propose_drafts(finished)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
@@ -319,10 +344,16 @@ class Scheduler:
             # rejected positions are recomputed from the next step on.
             request.num_computed_tokens -= len(drafts) + 1 - len(generated)
         new_token_ids = []
+        grammars = self.structured_output_manager if request.sampling_params.structured_outputs else None
         for token_id in generated:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
+            if grammars is not None and not grammars.accept_tokens(req_id, [token_id]):
+                raise ValueError(f"the grammar refused sampled token {token_id}")
             if self._check_stop(request, token_id):
+                break
+            if grammars is not None and grammars.is_terminated(req_id):
+                request.status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
                 break
         logprobs = model_runner_output.logprobs[index] if model_runner_output.logprobs else None
         prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
@@ -361,6 +392,8 @@ class Scheduler:
         for request in self.running:
             if request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
                 continue  # finished this step, or still prefilling
+            if request.sampling_params.structured_outputs is not None:
+                continue  # grammars advance one sampled token per step: no drafts
             max_tokens = request.sampling_params.max_tokens or max_model_len
             num_drafts = min(self.drafter.num_speculative_tokens,
                              max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
@@ -396,3 +429,5 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.remove_request(request.request_id)

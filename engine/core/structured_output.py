@@ -1,9 +1,11 @@
-"""Where constrained decoding plugs into the scheduler: a manager that fills each step's token masks.
+"""Where constrained decoding plugs into the scheduler: a manager that owns the requests' grammars.
 
-The scheduler asks its manager, between ``execute_model`` and ``sample_tokens``,
-for the packed allowed-token bitmask of the step's constrained requests
-(``GrammarOutput``); the sampler's mask op applies it. Requests without a
-grammar are not in the bitmask and pay nothing.
+The scheduler hands each constrained request to its manager on arrival (``add_request``), which starts
+compiling its grammar off the engine thread; the request waits in the queue, not the engine thread,
+until ``grammar_status`` says it is ready. Between ``execute_model`` and ``sample_tokens`` the
+scheduler asks the manager for the packed allowed-token bitmask of the step's constrained rows
+(``GrammarOutput``); the sampler's mask op applies it. After sampling, the manager advances each
+grammar by the request's new tokens. Requests without a grammar are not in the bitmask and pay nothing.
 """
 
 from __future__ import annotations
@@ -15,13 +17,29 @@ from engine.request import Request
 
 
 class StructuredOutputManager(Protocol):
-    """Computes the allowed-token masks of the constrained requests scheduled in a step."""
+    """Holds one grammar state per constrained request (``sampling_params.structured_outputs`` set)."""
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar (or find it compiled)."""
+
+    def grammar_status(self, request_id: str) -> str | None:
+        """None once the grammar is ready; ``"pending"`` while it compiles; else why it failed."""
 
     def grammar_bitmask(self, requests: dict[str, Request],
                         scheduler_output: SchedulerOutput) -> GrammarOutput | None:
-        """``GrammarOutput`` for the scheduled requests that are constrained; None when none is.
+        """``GrammarOutput`` for the scheduled requests that are constrained and sample this step;
+        None when none is.
 
         Args:
             requests: the scheduler's live requests by id.
-            scheduler_output: the step being run.
+            scheduler_output: the step being run (``num_computed_tokens`` already advanced past it).
         """
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the grammar by sampled tokens; False when it refuses one (then it is in error)."""
+
+    def is_terminated(self, request_id: str) -> bool:
+        """True when the grammar is complete and allows nothing more."""
+
+    def remove_request(self, request_id: str) -> None:
+        """Forget a finished request's grammar; unknown ids are ignored."""

@@ -356,6 +356,10 @@ class ModelRunner:
         Returns:
             The rows that sampled, their tokens and their logprobs (None when no row asks).
         """
+        if grammar_output is not None and self.input_batch.num_draft_tokens[sample_rows].any():
+            # Constrained rows sample under their masks and drafting rows through the rejection
+            # sampler, which takes no mask (the scheduler gives constrained requests no drafts).
+            return self._sample_row_by_row(logits, sample_rows, grammar_output)
         generator_states = [(g, g.get_state()) for g in self.input_batch.generators_by_request(sample_rows).values()]
         try:
             return sample_rows, *self._sample_batch(logits, sample_rows, grammar_output)
@@ -413,7 +417,8 @@ class ModelRunner:
             ValueError: when a constrained request runs drafts (grammars advance one token per step).
         """
         batch = self.input_batch
-        if grammar_output is not None:
+        constrained = set(grammar_output.structured_output_request_ids) if grammar_output is not None else set()
+        if constrained.intersection(batch.req_ids[row] for row in sample_rows.tolist()):
             raise ValueError("draft tokens for requests with a grammar are not supported")
         metadata = batch.make_sampling_metadata(sample_rows, per_position=True)
         result = self.rejection_sampler(logits, metadata, batch.draft_token_ids(sample_rows),

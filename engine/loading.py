@@ -1,0 +1,37 @@
+"""Build what ``LLM`` and ``AsyncLLM`` drive: the engine core and the input processor that feeds it."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from engine.config import EngineArgs, EngineConfig
+from engine.engine_core import EngineCore
+from engine.input_processor import InputProcessor
+from engine.model.loader import ModelSource, load_tokenizer
+from engine.structured_output import GrammarCompiler, GuidanceManager
+
+
+class LoadedEngine(NamedTuple):
+    """An engine core and its input processor, sharing one grammar compiler: the processor compiles
+    (and so validates) each request's grammar before queueing it, and the core's manager finds it cached."""
+
+    engine_core: EngineCore
+    processor: InputProcessor
+
+
+def load_engine(args: EngineArgs) -> LoadedEngine:
+    """Load the model and its tokenizer and allocate the KV cache (blocking, seconds).
+
+    Raises:
+        ValueError: a setting the model or the machine cannot honour (model not found, no CUDA,
+            a KV cache too small for ``max_model_len``), naming it.
+        OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
+    """
+    config = EngineConfig.from_args(args)
+    model_config = config.model_config
+    tokenizer = load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
+    grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+    engine_core = EngineCore(config, structured_output_manager=GuidanceManager(grammars))
+    processor = InputProcessor(engine_core.config.model_config, tokenizer, engine_core.config.cache_config,
+                               engine_core.config.args.max_logprobs, grammars)
+    return LoadedEngine(engine_core, processor)

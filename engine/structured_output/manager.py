@@ -1,0 +1,68 @@
+"""``GuidanceManager``: the scheduler's ``StructuredOutputManager`` over llguidance matchers."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from engine.request import Request
+from engine.structured_output.compiler import GrammarCompiler
+
+#: Threads filling the step's masks (each row is independent): one per row up to this many.
+NUM_MASK_THREADS = 2
+
+
+class GuidanceManager:
+    """One llguidance matcher per constrained request, copied from the compiler's cached template.
+
+    Used from the engine thread only (the compiler's pool does the compiling).
+
+    Args:
+        compiler: shared with the frontend, which compiled (and so validated) each grammar before
+            the request was queued; the engine finds it in the compiler's cache.
+    """
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._templates: dict[str, Future[llguidance.LLMatcher]] = {}
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._executor = llguidance.LLExecutor(NUM_MASK_THREADS)
+
+    def add_request(self, request: Request) -> None:
+        self._templates[request.request_id] = self.compiler.compile(request.sampling_params.structured_outputs)
+
+    def grammar_status(self, request_id: str) -> str | None:
+        if request_id in self._matchers:
+            return None
+        template = self._templates[request_id]
+        if not template.done():
+            return "pending"
+        if template.exception() is not None:
+            return str(template.exception())
+        self._matchers[request_id] = template.result().deep_copy()
+        return None
+
+    def grammar_bitmask(self, requests: dict[str, Request],
+                        scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        # A request samples this step when the step computes its last known token.
+        rows = [req_id for req_id in scheduler_output.num_scheduled_tokens
+                if req_id in self._matchers and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
+        if not rows:
+            return None
+        bitmask = np.empty((len(rows), (self.compiler.vocab_size + 31) // 32), dtype=np.int32)
+        fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for i, r in enumerate(rows)], bitmask)
+        return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask)
+
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        return self._matchers[request_id].consume_tokens(token_ids)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self._matchers[request_id].is_stopped()
+
+    def remove_request(self, request_id: str) -> None:
+        self._templates.pop(request_id, None)
+        self._matchers.pop(request_id, None)

@@ -1,0 +1,293 @@
+"""The Hermes tool-call format (NousResearch Hermes 2 Pro, Qwen2.5/3, ...): JSON inside ``<tool_call>`` tags.
+
+A reply is optional text, then the calls, each ::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+separated by a newline. The markers are plain text, not special tokens, in most vocabularies
+(SmolLM2's included), so the grammar of ``tool_choice: auto`` switches on with a lazy lexeme: free
+text until it ends in ``<tool_call>``, then a call held to a tool's name and parameters, then only
+another call or the end.
+
+Prompt fallback, for a chat template without tools (SmolLM2's): the system message gets a
+``# Tools`` section listing the tools as JSON inside ``<tools></tools>`` and the instructions above
+(Qwen2.5's wording); an assistant message's ``tool_calls`` are written as the markup after its text;
+``role: tool`` messages become user messages ``<tool_response>\\n{content}\\n</tool_response>``,
+consecutive ones merged into one.
+
+The parser streams a call's arguments as their raw text, as the model writes them, so the pieces
+always concatenate to the final JSON (no re-serialized partial JSON, which drops or doubles
+characters: vLLM #19056, #22885, #21544); text that may be the start of ``<tool_call>`` is held back
+so no markup reaches ``content``, and whitespace around the markup is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine.structured_output.compiler import JSON_FORMAT
+from server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser
+from server.tool_calling.plan import ToolPlan
+
+logger = logging.getLogger(__name__)
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+#: A call's JSON up to its arguments' value: ``{"name": "<name>", "arguments": ``.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:')
+
+_INSTRUCTIONS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+class _ValueEnd:
+    """Finds where one JSON value ends in text fed piece by piece (strings, escapes and nesting)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.started = False
+        self.done = False
+
+    def feed(self, text: str) -> tuple[str, int]:
+        """The part of ``text`` that belongs to the value (leading whitespace left out) and how many
+        characters of ``text`` were read; fewer than all once the value has ended (``done``)."""
+        start = 0 if self.started else None
+        for i, char in enumerate(text):
+            if not self.started:
+                if char.isspace():
+                    continue
+                self.started, start = True, i
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return self._end(text, start, i + 1)
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif self.depth == 0 and (char in ",}]" or char.isspace()):  # after a number, true, false, null
+                return self._end(text, start, i)
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return self._end(text, start, i + 1)
+        return ("" if start is None else text[start:]), len(text)
+
+    def _end(self, text: str, start: int | None, end: int) -> tuple[str, int]:
+        self.done = True
+        return ("" if start is None else text[start:end]), end
+
+
+class HermesToolParser(ToolParser):
+    """Splits a reply in the Hermes format: text, then ``<tool_call>{"name", "arguments"}</tool_call>`` calls."""
+
+    name = "hermes"
+
+    def __init__(self) -> None:
+        self._buffer = ""  # text not yet decided
+        self._in_call = False
+        self._held_space = ""  # trailing whitespace of the content, dropped if markup follows
+        self._after_call = False  # drop the whitespace that follows a call
+        self._num_calls = 0
+        self._named = False  # the open call's name has been sent
+        self._value: _ValueEnd | None = None
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._buffer += text
+        delta = ParsedDelta()
+        while self._step(delta):
+            pass
+        return delta
+
+    def finish(self) -> ParsedDelta:
+        delta = ParsedDelta()
+        if self._in_call and not self._named:
+            self._whole_call(self._buffer, delta)
+        elif not self._in_call:
+            delta.content = self._content(self._buffer)
+            if not self._num_calls:
+                delta.content += self._held_space
+        self._buffer = self._held_space = ""
+        return delta
+
+    def _step(self, delta: ParsedDelta) -> bool:
+        """Decide what it can of the buffer; False when it must wait for more text."""
+        if not self._in_call:
+            start = self._buffer.find(CALL_START)
+            if start < 0:
+                keep = _partial_suffix(self._buffer, CALL_START)
+                delta.content += self._content(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return False
+            delta.content += self._content(self._buffer[:start])
+            self._buffer = self._buffer[start + len(CALL_START):]
+            self._in_call, self._named, self._value, self._held_space = True, False, None, ""
+            return True
+        if not self._named:
+            head = _CALL_HEAD.match(self._buffer)
+            if head is not None:
+                self._named, self._value = True, _ValueEnd()
+                self._buffer = self._buffer[head.end():]
+                delta.calls.append(ToolCallDelta(self._num_calls, _json_string(head.group(1)), ""))
+                self._num_calls += 1
+                return True
+            end = self._buffer.find(CALL_END)
+            if end < 0:
+                return False
+            self._whole_call(self._buffer[:end], delta)
+            self._close_call(end)
+            return True
+        if self._value is not None and not self._value.done:
+            piece, used = self._value.feed(self._buffer)
+            self._buffer = self._buffer[used:]
+            if piece:
+                _add_arguments(delta, self._num_calls - 1, piece)
+            return self._value.done
+        end = self._buffer.find(CALL_END)
+        if end < 0:
+            return False
+        self._close_call(end)
+        return True
+
+    def _close_call(self, end: int) -> None:
+        self._buffer = self._buffer[end + len(CALL_END):]
+        self._in_call, self._after_call = False, True
+
+    def _whole_call(self, body: str, delta: ParsedDelta) -> None:
+        """A call whose JSON did not start as ``{"name": ..., "arguments": ...}``: taken whole if it is a
+        JSON object with a string ``name`` (and ``arguments``), else dropped."""
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            logger.debug("dropped a tool call that is not valid JSON with a name: %r", body[:200])
+            return
+        arguments = call.get("arguments", {})
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        delta.calls.append(ToolCallDelta(self._num_calls, call["name"], text))
+        self._num_calls += 1
+
+    def _content(self, text: str) -> str:
+        """``text`` as reply text, less the whitespace next to markup (trailing whitespace is held)."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        stripped = text.rstrip()
+        if not stripped:
+            self._held_space += text
+            return ""
+        out = self._held_space + stripped
+        self._held_space = text[len(stripped):]
+        return out
+
+    @classmethod
+    def detect(cls, chat_template: str) -> bool:
+        return CALL_START in chat_template
+
+    @classmethod
+    def grammar(cls, plan: ToolPlan) -> str:
+        lines = ["%llguidance {}"]
+        if plan.mode != "auto":
+            lines.append(f'start: "{CALL_START}" calls')
+        elif plan.answer_schema is not None:
+            lines += [f'start: answer | "{CALL_START}" calls', f"answer: %json {_json_option(plan.answer_schema)}"]
+        else:
+            lines += ["start: TEXT | head calls", f'head[lazy]: TEXT "{CALL_START}"', r"TEXT: /(.|\n)*/"]
+        lines.append(f'calls: body ("\\n{CALL_START}" body)*' if plan.parallel else "calls: body")
+        alternatives = " | ".join(f"call_{i}" for i in range(len(plan.callable)))
+        lines.append(f'body: "\\n" ({alternatives}) "\\n{CALL_END}"')
+        for i, tool in enumerate(plan.callable):
+            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
+            lines += [f'call_{i}: {head} args_{i} "}}"', f"args_{i}: %json {_json_option(tool.parameters)}"]
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def render_fallback(cls, messages: Sequence[Mapping[str, Any]],
+                        tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, str]]:
+        rendered: list[dict[str, str]] = []
+        previous_role = None
+        for message in messages:
+            role, content = message["role"], message.get("content") or ""
+            if role == "tool":
+                response = f"<tool_response>\n{content}\n</tool_response>"
+                if previous_role == "tool":
+                    rendered[-1]["content"] += "\n" + response
+                else:
+                    rendered.append({"role": "user", "content": response})
+                previous_role = role
+                continue
+            previous_role = role
+            calls = [_markup(call["function"]) for call in message.get("tool_calls") or ()]
+            rendered.append({"role": role, "content": "\n".join(([content] if content else []) + calls)})
+        if tools:
+            listing = _INSTRUCTIONS.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
+            if rendered and rendered[0]["role"] in ("system", "developer"):
+                rendered[0]["content"] = f"{rendered[0]['content']}\n\n{listing}".lstrip()
+            else:
+                rendered.insert(0, {"role": "system", "content": listing})
+        return rendered
+
+
+def _markup(function: Mapping[str, Any]) -> str:
+    """One call as the model writes it (``function``: ``{"name", "arguments"}``, arguments a dict or text)."""
+    call = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
+    return f"{CALL_START}\n{call}\n{CALL_END}"
+
+
+def _json_option(schema: dict[str, Any] | bool) -> str:
+    """``schema`` for ``%json``, with the engine's bounded JSON whitespace (``JSON_FORMAT``)."""
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    own = schema.get("x-guidance")
+    return json.dumps({**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **JSON_FORMAT}},
+                      ensure_ascii=False)
+
+
+def _json_string(raw: str) -> str:
+    """The text of a JSON string's inside (escapes decoded; kept as written when they are not valid)."""
+    try:
+        return json.loads(f'"{raw}"')
+    except ValueError:
+        return raw
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that is the start of ``marker`` (0 when none)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+def _add_arguments(delta: ParsedDelta, index: int, piece: str) -> None:
+    """Add a piece of call ``index``'s arguments to ``delta``, in that call's piece if it has one."""
+    if delta.calls and delta.calls[-1].index == index:
+        delta.calls[-1].arguments += piece
+    else:
+        delta.calls.append(ToolCallDelta(index, None, piece))

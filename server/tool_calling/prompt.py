@@ -1,0 +1,24 @@
+"""The messages and tools a chat template is given: the template's own tool rendering when it has one,
+else the tool format's fallback (``ToolParser.render_fallback``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.chat_template import takes_tools
+from server.protocol import ChatMessage, conversation
+from server.tool_calling.base import ToolParser
+from server.tool_calling.plan import ToolPlan
+
+
+def render_inputs(messages: list[ChatMessage], plan: ToolPlan | None, tool_format: type[ToolParser],
+                  tokenizer: PreTrainedTokenizerBase) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``(messages, tools)`` for ``apply_chat_template``. The tools are shown unless there are none or
+    ``tool_choice`` is ``none``; a template that does not take tools gets plain ``{"role", "content"}``
+    messages from ``tool_format`` (tools in the system message, calls and results as text) and no tools."""
+    shown = [tool.spec for tool in plan.tools] if plan is not None and plan.active else None
+    if takes_tools(tokenizer):
+        return conversation(messages), shown
+    return tool_format.render_fallback(conversation(messages), shown), None
