@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from engine.config import EngineConfig
 from engine.core.draft_proposer import DraftProposer
@@ -31,8 +30,9 @@ from engine.request import EngineCoreRequest, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
-#: How long a step that could schedule nothing (every waiting request's grammar still compiling) sleeps.
-GRAMMAR_WAIT_S = 0.001
+#: Longest a step that could schedule nothing (every waiting request's grammar still compiling) waits
+#: for a grammar; new requests and aborts wait as long.
+GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -112,8 +112,8 @@ class EngineCore:
             with region("scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
-                # Only requests whose grammars are compiling: let the compiler threads have the CPU.
-                time.sleep(GRAMMAR_WAIT_S)
+                # Only requests whose grammars are compiling: wait for one instead of spinning.
+                self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
             model_runner_output = self.executor.execute_model(scheduler_output)
             if model_runner_output is None:
                 grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)

@@ -110,7 +110,8 @@ class ProcessedRequest:
 class InputProcessor:
     """Tokenizes prompts, renders chat messages and checks requests against the engine's limits.
 
-    Loads nothing: ``from_config`` loads the tokenizer. Thread-safe (reads only immutable state).
+    Loads nothing (``engine.loading.load_engine`` loads the tokenizer). Thread-safe (reads only immutable
+    state; the grammar compiler is thread-safe).
 
     Args:
         model_config: the served model (context length, vocabulary, generation defaults).

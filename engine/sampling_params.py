@@ -61,9 +61,10 @@ class StructuredOutputsParams:
             except ValueError as exc:
                 raise InvalidRequestError(f"structured_outputs json is not valid JSON: {exc}",
                                           "structured_outputs") from exc
-        if self.json is not None and not isinstance(self.json, dict | bool):
-            raise InvalidRequestError("structured_outputs json must be a JSON schema (an object)",
-                                      "structured_outputs")
+        if self.json is not None and not isinstance(self.json, dict):
+            # Boolean schemas too: true is any JSON value (use json_object), false admits nothing.
+            raise InvalidRequestError("structured_outputs json must be a JSON schema object, got "
+                                      f"{type(self.json).__name__}", "structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -170,6 +171,9 @@ class SamplingParams:
               "logit_bias", "a map of token ids to biases in [-100, 100]")
         check(all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "keyed by non-negative token ids")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", ">= 0")
+        # A grammar decides where a constrained output ends; it cannot be made to go on.
+        check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+              "0 with structured output (the grammar decides where the output ends)")
         check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", ">= 0")
 
     @property

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -117,6 +117,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "web_search_options": ("web search", ()),
     "suffix": ("fill in the middle", ()),
     # vLLM's
+    "guided_whitespace_pattern": ("a JSON whitespace pattern; JSON whitespace is fixed", ()),
     "use_beam_search": ("beam search", (False,)),
     "length_penalty": ("beam search", (1.0,)),
     "allowed_token_ids": ("sampling from given tokens only", ()),
@@ -247,6 +248,9 @@ class SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    #: The fields this endpoint refuses (``check_fields``).
+    unsupported_fields: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = UNSUPPORTED_FIELDS
+
     def check(self) -> None:
         """Refuse what neither endpoint serves, naming the field the client set.
 
@@ -255,7 +259,7 @@ class SamplingRequest(RequestBody):
                 ``best_of`` other than ``n``, ``stream_options`` without ``stream``, or
                 ``prompt_logprobs`` with ``stream`` (as vLLM does: they arrive with the last token).
         """
-        check_fields(self)
+        check_fields(self, self.unsupported_fields)
         if self.n is not None and self.n > MAX_N:
             raise bad_request(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -335,6 +339,11 @@ PromptInput = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
+
+    unsupported_fields: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = UNSUPPORTED_FIELDS | {
+        "tools": ("tool calling; use /v1/chat/completions", ()),
+        "tool_choice": ("tool calling; use /v1/chat/completions", ("none",)),
+    }
 
     prompt: PromptInput
     max_tokens: StrictInt | None = 16  # OpenAI's default; null = up to the context length

@@ -407,8 +407,8 @@ class ResponseStream:
                         finish_reason = choice.finish_reason or finish_reason
             except OpenAIError as error:
                 self.response.status = "failed"
-                body = error.body()["error"]
-                self.response.error = ResponseError(code=body["code"] or body["type"], message=body["message"])
+                # The SDK reads code as one of OpenAI's; ours (engine_dead, request_failed, ...) are server errors.
+                self.response.error = ResponseError(code="server_error", message=error.message)
                 yield self._event("response.failed", response=self.response)
                 return
         for event in self._close("incomplete" if finish_reason == "length" else "completed"):

@@ -37,8 +37,14 @@ class FixedTokensGrammar:
     def add_request(self, request: Request) -> None:
         pass
 
-    def grammar_status(self, request_id: str) -> str | None:
+    def grammar_error(self, request_id: str) -> str | None:
         return None
+
+    def grammar_ready(self, request_id: str) -> bool:
+        return True
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        pass
 
     def grammar_bitmask(self, requests: dict[str, Request], scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         self.calls += 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any
@@ -199,7 +198,7 @@ def test_stream_error_after_the_start_is_a_failed_response() -> None:
     error = OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The engine is not running.", code="engine_dead")
     events, finished = _translated([_chunk({"content": "Hel"}), error])
     assert [event["type"] for event in events][-2:] == ["response.output_text.delta", "response.failed"]
-    assert events[-1]["response"]["error"] == {"code": "engine_dead", "message": "The engine is not running."}
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "The engine is not running."}
     assert finished == []  # nothing to store
 
 
@@ -306,6 +305,6 @@ def test_unsupported_or_invalid_input_is_a_400_naming_the_field(client: httpx.Cl
                                                                 body: dict[str, Any], param: str) -> None:
     reply = client.post("/v1/responses", json={"max_output_tokens": 2, **body})
     assert reply.status_code == 400, reply.text
-    assert re.sub(r"\[(\d+)\]", r".\1", reply.json()["error"]["param"]) == param  # tools[0] or tools.0
+    assert reply.json()["error"]["param"] == param
     assert client.get("/health").status_code == 200
     assert client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 1}).status_code == 200

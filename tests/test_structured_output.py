@@ -7,6 +7,7 @@ Every constrained output that finished with ``stop`` is checked against its cons
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -228,8 +229,15 @@ class _FakeGrammars:
         self.status.setdefault(request.request_id, "pending")
         self.accepted[request.request_id] = []
 
-    def grammar_status(self, request_id: str) -> str | None:
-        return self.status[request_id]
+    def grammar_error(self, request_id: str) -> str | None:
+        status = self.status[request_id]
+        return status if status not in (None, "pending") else None
+
+    def grammar_ready(self, request_id: str) -> bool:
+        return self.status[request_id] is None
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        pass
 
     def grammar_bitmask(self, requests: dict[str, Request], so: SchedulerOutput) -> GrammarOutput | None:
         rows = [r for r in so.num_scheduled_tokens if r in self.accepted]
@@ -382,3 +390,42 @@ def test_preempted_constrained_requests_resume_their_grammar() -> None:
     assert together == solo
     for text in together:
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_client_gone_while_its_grammar_compiles_leaves_the_compilation_to_the_others(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelling ``check_async`` (a disconnect) must not cancel the shared, cached compilation."""
+    compiler = served.engine.processor.grammars
+    release = threading.Event()
+    build = compiler._build
+
+    def slow_build(text: str, kind: str) -> Any:
+        release.wait(timeout=30)
+        return build(text, kind)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
+    params = StructuredOutputsParams(choice=["cancelled", "while", "compiling"])
+
+    async def disconnect_then_retry() -> None:
+        waiting = asyncio.ensure_future(compiler.check_async(params))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        release.set()
+        await compiler.check_async(params)  # the same compilation, not cancelled
+
+    asyncio.run(disconnect_then_retry())
+    assert not compiler.compile(params).cancelled()
+
+
+def test_a_grammar_completed_on_the_last_allowed_token_is_a_stop(openai_client: openai.OpenAI,
+                                                                 served: Served) -> None:
+    assert len(served.engine.tokenizer.encode("yes", add_special_tokens=False)) == 1
+    choice = _chat(openai_client, messages=[{"role": "user", "content": "Yes or no?"}], temperature=0, max_tokens=1,
+                   extra_body={"guided_choice": ["yes", "no"]}).choices[0]
+    assert choice.message.content in {"yes", "no"} and choice.finish_reason == "stop"
+
+
+def test_json_schema_must_be_an_object() -> None:
+    for schema in (True, "false"):
+        with pytest.raises(InvalidRequestError, match="JSON schema object"):
+            StructuredOutputsParams(json=schema)

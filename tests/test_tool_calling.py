@@ -18,6 +18,7 @@ from engine.sampling_params import StructuredOutputsParams
 from server.protocol import ChatCompletionRequest, conversation
 from server.tool_calling import HermesToolParser, ToolParser, parse_reply, plan_tools, tool_parser_class
 from server.tool_calling.output import StreamedReply
+from server.tool_calling.prompt import render_inputs
 from tests.conftest import Served
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -133,14 +134,14 @@ def test_full_round_trip_ends_in_an_answer(openai_client: openai.OpenAI, client:
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"tools": []}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-    ({"tools": [CLOCK, CLOCK]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [CLOCK, CLOCK]}, "tools.1.function.name"),
     ({"tools": [CLOCK, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-     "tools[1].function.parameters"),
+     "tools.1.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "wat"}}}}}]}, "tools[0].function.parameters"),
+        "type": "object", "properties": {"x": {"type": "wat"}}}}}]}, "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}]}, "tools[0].function.parameters"),
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}}}]}, "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "guided_regex": "[a-z]+"}, "guided_regex"),
     ({"tools": TOOLS, "messages": [{"role": "tool", "content": "22"}]}, "messages.0"),
@@ -263,3 +264,25 @@ def test_the_tool_parser_is_chosen_by_name_or_from_the_chat_template() -> None:
     assert tool_parser_class("hermes", "") is HermesToolParser
     with pytest.raises(ValueError, match="unknown tool call parser"):
         tool_parser_class("mistral", "")
+
+
+def test_a_template_that_shows_tools_in_another_format_gets_the_parsed_format_s_prompt() -> None:
+    """A template that renders ``tools`` but writes calls in a format no parser reads (here a made-up
+    one) must not describe that format while the reply is held to and parsed as hermes."""
+    class Tokenizer:
+        chat_template = "{% for tool in tools %}<function>{{ tool }}</function>{% endfor %}"
+
+    request = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="required")
+    messages, tools = render_inputs(request.messages, plan_tools(request, None, None), HermesToolParser, Tokenizer())
+    assert tools is None and "<tool_call>" in messages[0]["content"]
+    Tokenizer.chat_template += "{{ '<tool_call>' }}"  # a hermes template shows its tools itself
+    messages, tools = render_inputs(request.messages, plan_tools(request, None, None), HermesToolParser, Tokenizer())
+    assert tools is not None and messages == conversation(request.messages)
+
+
+def test_a_bad_answer_schema_with_tools_is_blamed_on_response_format(client: httpx.Client) -> None:
+    body = {**GREEDY, "messages": ASK, "tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "array", "uniqueItems": True}}}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "response_format.json_schema.schema"
+    assert "uniqueItems" in response.json()["error"]["message"]

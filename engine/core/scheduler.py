@@ -207,14 +207,16 @@ class Scheduler:
         skipped: list[Request] = []  # waiting for their grammar; they keep their place in the queue
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            grammar_status = self._grammar_status(request)
-            if grammar_status is not None:
-                self.waiting.popleft()
-                if grammar_status == "pending":
-                    skipped.append(request)
-                else:  # did not compile: the frontend checks grammars, so only a fault gets here
-                    self._failed_waiting.append(self._fail_request(request, grammar_status))
-                continue
+            if request.sampling_params.structured_outputs is not None:
+                grammars = self.structured_output_manager
+                error = grammars.grammar_error(request.request_id)
+                if error is not None:  # the frontend compiles grammars first, so only a fault gets here
+                    self.waiting.popleft()
+                    self._failed_waiting.append(self._fail_request(request, error))
+                    continue
+                if not grammars.grammar_ready(request.request_id):
+                    skipped.append(self.waiting.popleft())
+                    continue
             computed_blocks, num_computed_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(request, num_computed_tokens, plan.token_budget)
             if kv.allocate_slots(request, num_new_tokens, num_computed_tokens, computed_blocks) is None:
@@ -233,12 +235,6 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
         self.waiting.extendleft(reversed(skipped))
-
-    def _grammar_status(self, request: Request) -> str | None:
-        """None when ``request`` has no grammar or it is ready; ``"pending"``, or why it failed."""
-        if request.sampling_params.structured_outputs is None:
-            return None
-        return self.structured_output_manager.grammar_status(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -284,6 +280,12 @@ class Scheduler:
         self.finished_req_ids = set()
         self._prev_step_scheduled = set(output.num_scheduled_tokens)
         self.num_scheduled_tokens += output.total_num_scheduled_tokens
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a compiling grammar is ready, or ``timeout_s`` seconds (for a step that could
+        schedule nothing because every waiting request waits for its grammar)."""
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.wait_for_grammars(timeout_s)
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The allowed-token masks of the step's constrained requests; None when none is constrained."""
@@ -348,12 +350,13 @@ class Scheduler:
         for token_id in generated:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
-            if grammars is not None and not grammars.accept_tokens(req_id, [token_id]):
-                raise ValueError(f"the grammar refused sampled token {token_id}")
+            if grammars is not None:
+                if not grammars.accept_tokens(req_id, [token_id]):
+                    raise ValueError(f"the grammar refused sampled token {token_id}")
+                if grammars.is_terminated(req_id):  # complete: a stop, even on the max_tokens-th token
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    break
             if self._check_stop(request, token_id):
-                break
-            if grammars is not None and grammars.is_terminated(req_id):
-                request.status = RequestStatus.FINISHED_STOPPED  # the grammar allows nothing more
                 break
         logprobs = model_runner_output.logprobs[index] if model_runner_output.logprobs else None
         prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)

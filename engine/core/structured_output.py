@@ -2,7 +2,7 @@
 
 The scheduler hands each constrained request to its manager on arrival (``add_request``), which starts
 compiling its grammar off the engine thread; the request waits in the queue, not the engine thread,
-until ``grammar_status`` says it is ready. Between ``execute_model`` and ``sample_tokens`` the
+until ``grammar_ready`` says so. Between ``execute_model`` and ``sample_tokens`` the
 scheduler asks the manager for the packed allowed-token bitmask of the step's constrained rows
 (``GrammarOutput``); the sampler's mask op applies it. After sampling, the manager advances each
 grammar by the request's new tokens. Requests without a grammar are not in the bitmask and pay nothing.
@@ -22,8 +22,15 @@ class StructuredOutputManager(Protocol):
     def add_request(self, request: Request) -> None:
         """Start compiling ``request``'s grammar (or find it compiled)."""
 
-    def grammar_status(self, request_id: str) -> str | None:
-        """None once the grammar is ready; ``"pending"`` while it compiles; else why it failed."""
+    def grammar_error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed to compile; None while it compiles or once it has."""
+
+    def grammar_ready(self, request_id: str) -> bool:
+        """True once the request's grammar has compiled (its grammar state is made then)."""
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Block until a compiling grammar is ready or ``timeout_s`` seconds have passed (the engine
+        calls it when every waiting request is waiting for its grammar)."""
 
     def grammar_bitmask(self, requests: dict[str, Request],
                         scheduler_output: SchedulerOutput) -> GrammarOutput | None:

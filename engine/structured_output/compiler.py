@@ -56,6 +56,13 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise InvalidRequestError(f"invalid grammar: {exc}", "structured_outputs") from exc
 
 
+def json_schema_error(schema: dict[str, Any]) -> str:
+    """Why llguidance cannot enforce ``schema`` (a JSON schema, as structured output compiles it);
+    ``""`` when it can. Checks without a tokenizer, in a millisecond or so."""
+    return llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema, ensure_ascii=False), overrides=JSON_FORMAT))
+
+
 class GrammarCompiler:
     """Builds llguidance matchers for constraints on ``NUM_COMPILE_THREADS`` threads, caching them.
 
@@ -70,14 +77,15 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(max_workers=NUM_COMPILE_THREADS, thread_name_prefix="grammar")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the cache
+        self._tokenizer_lock = threading.Lock()  # held while the llguidance tokenizer is built (0.6 s)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """The tokenizer as llguidance reads it, built on first use."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
             return self._ll_tokenizer
@@ -92,7 +100,7 @@ class GrammarCompiler:
         text = grammar_text(params)
         with self._lock:
             future = self._cache.get(text)
-            if future is not None:
+            if future is not None and not future.cancelled():  # cancelled only by shutdown()
                 self._cache.move_to_end(text)
                 return future
             future = self._pool.submit(self._build, text, params.kind)
@@ -119,9 +127,13 @@ class GrammarCompiler:
             self.compile(params).result()
 
     async def check_async(self, params: StructuredOutputsParams | None) -> None:
-        """``check`` without blocking the event loop: compiled on the pool, the result cached for the engine."""
+        """``check`` without blocking the event loop: compiled on the pool, the result cached for the engine.
+
+        Cancelling the caller (a client that disconnects) leaves the compilation, which other requests
+        and the cache share, running.
+        """
         if params is not None:
-            await asyncio.wrap_future(self.compile(params))
+            await asyncio.shield(asyncio.wrap_future(self.compile(params)))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

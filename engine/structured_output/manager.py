@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from concurrent.futures import Future
 
 import llguidance
@@ -33,21 +34,37 @@ class GuidanceManager:
         self._executor = llguidance.LLExecutor(NUM_MASK_THREADS)
 
     def add_request(self, request: Request) -> None:
+        """Start compiling ``request``'s grammar, or find it in the compiler's cache."""
         self._templates[request.request_id] = self.compiler.compile(request.sampling_params.structured_outputs)
 
-    def grammar_status(self, request_id: str) -> str | None:
-        if request_id in self._matchers:
-            return None
+    def grammar_error(self, request_id: str) -> str | None:
+        """Why the grammar did not compile (or its compilation was cancelled, at shutdown)."""
         template = self._templates[request_id]
         if not template.done():
-            return "pending"
-        if template.exception() is not None:
-            return str(template.exception())
+            return None
+        if template.cancelled():
+            return "the grammar's compilation was cancelled"
+        error = template.exception()
+        return None if error is None else str(error)
+
+    def grammar_ready(self, request_id: str) -> bool:
+        """True once compiled; the request's matcher is copied from the template then."""
+        if request_id in self._matchers:
+            return True
+        template = self._templates[request_id]
+        if not template.done() or self.grammar_error(request_id) is not None:
+            return False
         self._matchers[request_id] = template.result().deep_copy()
-        return None
+        return True
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        pending = [template for template in self._templates.values() if not template.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def grammar_bitmask(self, requests: dict[str, Request],
                         scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The masks of the constrained requests that sample this step, filled on ``NUM_MASK_THREADS``."""
         # A request samples this step when the step computes its last known token.
         rows = [req_id for req_id in scheduler_output.num_scheduled_tokens
                 if req_id in self._matchers and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
@@ -58,11 +75,14 @@ class GuidanceManager:
         return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask)
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+        """Advance the matcher; False (and the matcher in error) when it refuses a token."""
         return self._matchers[request_id].consume_tokens(token_ids)
 
     def is_terminated(self, request_id: str) -> bool:
+        """True when the grammar is complete and allows nothing but EOS."""
         return self._matchers[request_id].is_stopped()
 
     def remove_request(self, request_id: str) -> None:
+        """Drop the request's matcher (the compiled template stays in the compiler's cache)."""
         self._templates.pop(request_id, None)
         self._matchers.pop(request_id, None)

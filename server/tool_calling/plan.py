@@ -21,10 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llguidance import LLMatcher
-
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output.compiler import JSON_FORMAT
+from engine.structured_output.compiler import json_schema_error
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice, TokenizeRequest
 
@@ -102,7 +100,7 @@ def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: Str
     names = [tool.name for tool in tools]
     for index, name in enumerate(names):
         if name in names[:index]:
-            raise bad_request(f"tool names must be unique; '{name}' is given twice", f"tools[{index}].function.name")
+            raise bad_request(f"tool names must be unique; '{name}' is given twice", f"tools.{index}.function.name")
     choice = request.tool_choice or "auto"
     callable_ = tools
     if isinstance(choice, NamedToolChoice):
@@ -119,6 +117,9 @@ def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: Str
                               "json_object response_format can hold the text answer of tool_choice 'auto'",
                               structured_param)
         answer_schema = {"type": "object"} if structured.json_object else structured.json
+        error = json_schema_error(answer_schema)
+        if error:  # checked here: inside the tool grammar, its error would be blamed on the tools
+            raise bad_request(f"invalid JSON schema for structured output: {error}", structured_param)
     return ToolPlan(mode, tools, callable_, request.parallel_tool_calls and mode != "named", answer_schema)
 
 
@@ -126,14 +127,13 @@ def _tool(tool: ChatCompletionTool, index: int) -> Tool:
     function = tool.function
     if not TOOL_NAME.fullmatch(function.name):
         raise bad_request(f"Invalid function name '{function.name}': it must be 1 to 64 letters, digits, "
-                          "underscores or dashes", f"tools[{index}].function.name")
+                          "underscores or dashes", f"tools.{index}.function.name")
     parameters = NO_PARAMETERS if function.parameters is None else function.parameters
-    param = f"tools[{index}].function.parameters"
+    param = f"tools.{index}.function.parameters"
     if parameters.get("type", "object") != "object":
         raise bad_request(f"Invalid schema for function '{function.name}': the parameters must be a JSON "
                           f"schema of type 'object', got type {json.dumps(parameters['type'])}", param)
-    error = LLMatcher.validate_grammar(
-        LLMatcher.grammar_from_json_schema(json.dumps(parameters, ensure_ascii=False), overrides=JSON_FORMAT))
+    error = json_schema_error(parameters)
     if error:
         raise bad_request(f"Invalid schema for function '{function.name}': {error}", param)
     return Tool(function.name, parameters, tool.model_dump(exclude_none=True))
