@@ -196,8 +196,8 @@ class AsyncLLM:
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
                 stream.put_nowait(request_output)
-        for request_id, message in processed.failed.items():
-            self._fail_request(request_id, RequestFailedError(request_id, message))
+        for request_id, error in processed.failed.items():
+            self._fail_request(request_id, error)
         self._record(scheduler_stats, self._request_stats.make_iteration_stats(
             outputs, processed.reqs_to_abort, scheduler_stats, time.monotonic()))
 
@@ -239,6 +239,8 @@ class AsyncLLM:
             QueueFullError: too many requests waiting.
             EngineDeadError: the engine is not running.
             RequestFailedError: the engine failed this request alone (it goes on with the others).
+            InvalidRequestError: (``structured_outputs``) its grammar outgrew llguidance's limits while
+                generating.
         """
         self._raise_if_unavailable()
         # All n completions must fit: one request could otherwise overshoot the limit by n - 1.

@@ -10,7 +10,6 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.config import EngineArgs
-from engine.errors import RequestFailedError
 from engine.input_processor import ProcessedRequest, PromptType
 from engine.loading import load_engine
 from engine.output_processor import OutputProcessor, RequestOutputKind
@@ -65,7 +64,8 @@ class LLM:
                 then no prompt is queued.
             ValueError: as many sampling params as prompts are needed.
             RequestFailedError: the engine failed one request (a fault in its own state or sampling);
-                the others are aborted, since the call returns all or nothing.
+                the others are aborted, since the call returns all or nothing. ``InvalidRequestError`` in
+                the same way when a request's grammar outgrew llguidance's limits while generating.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -109,8 +109,7 @@ class LLM:
                     # The call cannot return a complete list: stop the others and say which one failed.
                     self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
                     self._drain()
-                    request_id, message = next(iter(processed.failed.items()))
-                    raise RequestFailedError(request_id, message)
+                    raise next(iter(processed.failed.values()))
                 for output in processed.request_outputs:
                     if output.finished:
                         finished[output.request_id] = output

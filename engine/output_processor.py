@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -49,13 +50,14 @@ class ProcessedOutputs:
         request_outputs: one per parent request that has something to report.
         reqs_to_abort: child request ids finished here by a stop string, which
             the engine core is still running and must abort; and the siblings of failed children.
-        failed: parent request id -> why the engine failed one of its children. The parent is
-            forgotten (its other children are in ``reqs_to_abort``); its caller must raise.
+        failed: parent request id -> what to raise for it: ``InvalidRequestError`` when a child's
+            own input failed it (``EngineCoreOutput.error_param``), else ``RequestFailedError``. The
+            parent is forgotten (its other children are in ``reqs_to_abort``); its caller must raise.
     """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
-    failed: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, InvalidRequestError | RequestFailedError] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -167,7 +169,9 @@ class OutputProcessor:
                 continue
             if output.error is not None:
                 parent_id = child.parent.request_id
-                processed.failed[parent_id] = output.error
+                processed.failed[parent_id] = (
+                    RequestFailedError(parent_id, output.error) if output.error_param is None
+                    else InvalidRequestError(output.error, output.error_param))
                 processed.reqs_to_abort += [c for c in self.abort_requests([parent_id]) if c != output.request_id]
                 advanced.pop(parent_id, None)
                 continue

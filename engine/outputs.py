@@ -79,6 +79,9 @@ class EngineCoreOutput:
         first_scheduled_time: ``time.monotonic()`` seconds when the scheduler first
             gave the request tokens (for the queue-time metric).
         error: why the engine failed the request, with ``finish_reason`` ``ERROR``; None otherwise.
+        error_param: with ``error``, the request field at fault when its own input failed it (a
+            grammar that outgrew llguidance's limits while generating: ``structured_outputs``), so
+            the frontend can answer as for invalid input; None for a fault of the engine's.
     """
 
     request_id: str
@@ -90,6 +93,7 @@ class EngineCoreOutput:
     new_prompt_logprobs: list[TokenLogprobs | None] | None = None
     first_scheduled_time: float | None = None
     error: str | None = None
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:

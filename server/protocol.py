@@ -288,8 +288,10 @@ class SamplingRequest(RequestBody):
                 given.append(("response_format.json_schema.schema",
                               {"json": self.response_format.json_schema.schema_}))
         if self.structured_outputs is not None:
-            given.append(("structured_outputs",
-                          {k.rstrip("_"): v for k, v in self.structured_outputs if v is not None}))
+            fields = {k.rstrip("_"): v for k, v in self.structured_outputs if v is not None}
+            # Named down to the constraint when there is one: its compile errors are about it.
+            given.append((f"structured_outputs.{next(iter(fields))}" if len(fields) == 1 else "structured_outputs",
+                          fields))
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:

@@ -28,7 +28,15 @@ from pydantic import (
 )
 
 from server.errors import OpenAIError, bad_request
-from server.protocol import UNSUPPORTED_FIELDS, Number, OpenAIBaseModel, RequestBody, Text, check_fields
+from server.protocol import (
+    UNSUPPORTED_FIELDS,
+    Number,
+    OpenAIBaseModel,
+    RequestBody,
+    SamplingRequest,
+    Text,
+    check_fields,
+)
 
 #: Fields of OpenAI's Responses API that would change the output and are not implemented:
 #: name -> (what it asks for, the values that ask for nothing), as ``protocol.UNSUPPORTED_FIELDS``.
@@ -43,6 +51,13 @@ UNSUPPORTED_RESPONSES_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "top_logprobs": ("logprobs", (0,)),
     "context_management": ("compaction", ()),
 }
+
+#: Chat completions' sampling fields (and vLLM's) that the Responses API does not have: sent here,
+#: each would change the output if served, so each is refused by name rather than ignored.
+CHAT_ONLY_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
+    name: ("a chat completions field; the Responses API has no such field", ())
+    for name in [*SamplingRequest.model_fields, "max_tokens", "max_completion_tokens"]
+    if name not in ("model", "stream", "stream_options", "user", "temperature", "top_p")}
 
 #: The input item types and content part types served: text and function calls.
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -240,13 +255,14 @@ class ResponsesRequest(RequestBody):
         return data
 
     def check(self) -> None:
-        """Refuse the fields of ``UNSUPPORTED_RESPONSES_FIELDS`` and chat's ``UNSUPPORTED_FIELDS`` that ask
-        for something, and log the other unknown ones (``check_fields``).
+        """Refuse the fields of ``UNSUPPORTED_RESPONSES_FIELDS``, chat's ``UNSUPPORTED_FIELDS`` and chat's
+        own sampling fields (``CHAT_ONLY_FIELDS``) that ask for something, and log the other unknown ones
+        (``check_fields``).
 
         Raises:
             OpenAIError: 400 naming the first unsupported field set.
         """
-        check_fields(self, UNSUPPORTED_FIELDS | UNSUPPORTED_RESPONSES_FIELDS)
+        check_fields(self, UNSUPPORTED_FIELDS | CHAT_ONLY_FIELDS | UNSUPPORTED_RESPONSES_FIELDS)
 
 
 # --------------------------------------------------------------------------- responses

@@ -53,8 +53,8 @@ class FixedTokensGrammar:
             return None
         return GrammarOutput(ids, np.stack([self.row] * len(ids)))
 
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        return set(token_ids) <= set(ALLOWED)
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
+        return None if set(token_ids) <= set(ALLOWED) else "not allowed"
 
     def is_terminated(self, request_id: str) -> bool:
         return False

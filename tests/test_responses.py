@@ -297,6 +297,11 @@ def test_function_call_output_round_trip_reads_as_the_chat_tool_messages(openai_
      "text.format.schema"),
     ({"input": [{"role": "critic", "content": "Hi"}]}, "input.0.role"),
     ({"input": "Hello. " * 3000}, "input"),  # longer than the context
+    # Chat's fields would change the output: refused by name, never ignored.
+    ({"input": "Hi", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"input": "Hi", "seed": 1}, "seed"),
+    ({"input": "Hi", "n": 2}, "n"),
+    ({"input": "Hi", "max_tokens": 5}, "max_tokens"),
     ({"input": "Hi", "tools": [{**WEATHER, "parameters": {"type": "nonsense"}}], "tool_choice": "required"},
      "tools.0.parameters"),
     ({"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),

@@ -199,8 +199,8 @@ def test_bad_constraints_are_refused_before_the_engine_and_it_stays_healthy(clie
     bad = [({"response_format": _json_schema_format({"type": "object", "not": {"required": ["a"]}})},
             "response_format.json_schema.schema", "not"),
            ({"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json", "no-such-format"),
-           ({"structured_outputs": {"regex": "(a"}}, "structured_outputs", "unclosed group"),
-           ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "")]
+           ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "unclosed group"),
+           ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar", "")]
     applied_before = served.engine._num_applied
     for body, param, feature in bad:
         response = client.post("/v1/chat/completions", json={"messages": ASK_PERSON, **body})
@@ -244,9 +244,9 @@ class _FakeGrammars:
         self.bitmask_rows.append(rows)
         return None
 
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
         self.accepted[request_id] += token_ids
-        return request_id not in self.refuse
+        return "refused sampled token" if request_id in self.refuse else None
 
     def is_terminated(self, request_id: str) -> bool:
         return len(self.accepted[request_id]) >= self.terminate_after.get(request_id, 10**9)
@@ -315,7 +315,8 @@ def test_sampled_tokens_advance_the_grammar_which_can_finish_or_fail_the_request
             outputs.setdefault(output.request_id, []).append(output)
     done = outputs["done"]
     assert sum(len(o.new_token_ids) for o in done) == 2 and done[-1].finish_reason.value == "stop"
-    assert outputs["refused"][-1].error and "refused sampled token" in outputs["refused"][-1].error
+    refused = outputs["refused"][-1]
+    assert refused.error == "refused sampled token" and refused.error_param == "structured_outputs"
     assert sum(len(o.new_token_ids) for o in outputs["free"]) == 6
     # The bitmask is asked for the constrained rows only.
     assert all("free" not in rows for rows in grammars.bitmask_rows)
@@ -429,3 +430,17 @@ def test_json_schema_must_be_an_object() -> None:
     for schema in (True, "false"):
         with pytest.raises(InvalidRequestError, match="JSON schema object"):
             StructuredOutputsParams(json=schema)
+
+
+def test_a_grammar_that_outgrows_llguidance_s_limits_while_generating_is_a_400(client: httpx.Client,
+                                                                            served: Served) -> None:
+    """5,000 choices compile, but llguidance's parser refuses them after the first token (a row of
+    more than 2000 items): the request fails alone, as the client's error, with llguidance's message."""
+    body = {"messages": ASK_PERSON, "max_tokens": 8, "temperature": 0,
+            "structured_outputs": {"choice": [f"c{i}" for i in range(5_000)]}}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs.choice" and "max is 2000" in error["message"]
+    assert client.post("/v1/chat/completions", json={"messages": ASK_PERSON, "max_tokens": 2}).status_code == 200
+    assert served.engine.get_stats().kv_cache_usage == 0.0

@@ -351,8 +351,9 @@ class Scheduler:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
             if grammars is not None:
-                if not grammars.accept_tokens(req_id, [token_id]):
-                    raise ValueError(f"the grammar refused sampled token {token_id}")
+                error = grammars.accept_tokens(req_id, [token_id])
+                if error is not None:  # the request's own grammar is at fault: the client's error
+                    return self._fail_request(request, error, "structured_outputs")
                 if grammars.is_terminated(req_id):  # complete: a stop, even on the max_tokens-th token
                     request.status = RequestStatus.FINISHED_STOPPED
                     break
@@ -370,15 +371,16 @@ class Scheduler:
             new_logprobs=logprobs[:len(new_token_ids)] if logprobs else None,
             new_prompt_logprobs=prompt_logprobs, first_scheduled_time=request.first_scheduled_time)
 
-    def _fail_request(self, request: Request, message: str) -> EngineCoreOutput:
+    def _fail_request(self, request: Request, message: str, param: str | None = None) -> EngineCoreOutput:
         """Finish ``request`` with ``FINISHED_ERROR`` and free its blocks (unless already freed);
-        the caller drops it from ``running``. Returns its last output, carrying ``message``."""
+        the caller drops it from ``running``. Returns its last output, carrying ``message`` (and
+        ``param``, the request field at fault when its own input failed it)."""
         if self.requests.get(request.request_id) is request:
             self._free_request(request, RequestStatus.FINISHED_ERROR)
         request.status = RequestStatus.FINISHED_ERROR
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=request.finish_reason,
                                 num_cached_tokens=request.num_cached_tokens,
-                                first_scheduled_time=request.first_scheduled_time, error=message)
+                                first_scheduled_time=request.first_scheduled_time, error=message, error_param=param)
 
     def _propose_drafts(self, finished: set[str]) -> list[EngineCoreOutput]:
         """Ask the drafter for the next tokens of every decoding request, within its limits.

@@ -42,8 +42,10 @@ class StructuredOutputManager(Protocol):
             scheduler_output: the step being run (``num_computed_tokens`` already advanced past it).
         """
 
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        """Advance the grammar by sampled tokens; False when it refuses one (then it is in error)."""
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Advance the grammar by sampled tokens. None when it takes them; else why it refused one (a
+        grammar that outgrew the grammar engine's limits, as one of 50,000 choices does), and it is
+        in error from then on."""
 
     def is_terminated(self, request_id: str) -> bool:
         """True when the grammar is complete and allows nothing more."""

@@ -74,9 +74,12 @@ class GuidanceManager:
         fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for i, r in enumerate(rows)], bitmask)
         return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask)
 
-    def accept_tokens(self, request_id: str, token_ids: list[int]) -> bool:
-        """Advance the matcher; False (and the matcher in error) when it refuses a token."""
-        return self._matchers[request_id].consume_tokens(token_ids)
+    def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
+        """Advance the matcher; None when it takes the tokens, else llguidance's error."""
+        matcher = self._matchers[request_id]
+        if matcher.consume_tokens(token_ids):
+            return None
+        return f"the grammar failed while generating (llguidance: {matcher.get_error() or 'token refused'})"
 
     def is_terminated(self, request_id: str) -> bool:
         """True when the grammar is complete and allows nothing but EOS."""
