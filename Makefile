@@ -17,7 +17,7 @@ IMAGE ?= pagedserve:latest
 DEVICE ?= cpu
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install install-test test serve lint bench image test-image clean
+.PHONY: install install-test install-chromium test serve lint bench image test-image clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,21 @@ install: $(VENV)/.installed
 
 install-test: $(VENV)/.installed-test
 
-test: install-test
+# Headless Chromium for the dashboard's browser tests (tests/test_dashboard_browser.py), from Debian's
+# packages: installed with apt-get when it is missing and this is root; never fails, since without it those
+# tests skip, saying what is missing (playwright comes with the test extra and drives this Chromium).
+install-chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
+		|| { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } \
+		|| echo "make: could not install chromium; the browser tests will skip"; \
+	else \
+		echo "make: /usr/bin/chromium is missing and apt-get cannot install it here (not root, or no apt-get);" \
+			"the browser tests will skip: apt-get install chromium"; \
+	fi
+
+test: install-test install-chromium
 	$(BIN)/python -m pytest -q tests
 
 serve: install

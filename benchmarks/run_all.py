@@ -3,8 +3,9 @@
 Each server is started here as a subprocess on a free loopback port, waited
 for (GET /health or /v1/models answering 200), sent the same prompts per
 scenario, and stopped. A server that is not installed or does not come up is
-skipped with a note. The Markdown report and the JSON land in
-``benchmarks/results/``.
+skipped with a note. The Markdown report, the JSON and a comparison plot of
+every server (``benchmarks/plots.py``: output tok/s, TTFT and TPOT per
+scenario; same file stem, ``.png``) land in ``benchmarks/results/``.
 
     python -m benchmarks.run_all --servers naive,llama-server --scenarios P1
 """
@@ -35,6 +36,7 @@ import torch
 
 from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
 from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
+from benchmarks.plots import save_comparison_plot
 from benchmarks.roofline import (
     DTYPES,
     cpu_model,
@@ -116,13 +118,16 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
     def no_module(module: str, install: str) -> Callable[[], str | None]:
         return lambda: None if importlib.util.find_spec(module) else f"not installed ({install})"
 
-    def pagedserve(dtype: str) -> Callable[[int, Scenario], list[str]]:
+    def pagedserve(dtype: str, *extra: str) -> Callable[[int, Scenario], list[str]]:
         return lambda port, _: [python, "-m", "server", "serve", "--host", HOST, "--port", str(port),
-                                "--dtype", dtype]
+                                "--dtype", dtype, *extra]
 
     specs = [
         ServerSpec("pagedserve", pagedserve("float32"), missing=lambda: None, weight_dtype="float32"),
         ServerSpec("pagedserve-bf16", pagedserve("bfloat16"), missing=lambda: None, weight_dtype="bfloat16"),
+        # The dashboard's step records off: their cost is the ratio to pagedserve-bf16 in one run.
+        ServerSpec("pagedserve-bf16-no-records", pagedserve("bfloat16", "--step-record-buffer-size", "0"),
+                   missing=lambda: None, weight_dtype="bfloat16"),
         ServerSpec("naive", lambda port, _: [python, "-m", "benchmarks.baselines.naive_server",
                                              "--host", HOST, "--port", str(port)],
                    missing=lambda: None, weight_dtype="float32"),
@@ -297,11 +302,16 @@ def _parse_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
+#: Variants measured only when asked for (``--servers``): they answer one question each.
+OPT_IN_SERVERS = ("pagedserve-bf16-no-records",)
+
+
 def parse_args(argv: list[str] | None, server_names: list[str]) -> argparse.Namespace:
     """Command-line options; see ``--help``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--servers", default=",".join(server_names),
-                        help=f"comma-separated subset of {','.join(server_names)}")
+    parser.add_argument("--servers", default=",".join(n for n in server_names if n not in OPT_IN_SERVERS),
+                        help=f"comma-separated subset of {','.join(server_names)} (default: all but "
+                             f"{','.join(OPT_IN_SERVERS)})")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per scenario (overrides all)")
@@ -355,7 +365,7 @@ def benchmark_server(spec: ServerSpec, scenarios: list[Scenario], datasets: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the selected servers and scenarios; write ``bench-<UTC time>.md/.json``."""
+    """Run the selected servers and scenarios; write ``bench-<UTC time>.md/.json/.png``."""
     gguf = default_gguf_path()
     specs = _server_specs(gguf)
     args = parse_args(argv, list(specs))
@@ -402,11 +412,21 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"bench-{now.strftime('%Y%m%d-%H%M%S')}"
     markdown = markdown_report(report)
+    if runs:
+        plot = save_comparison_plot(stem.with_suffix(".png"), runs, title=comparison_title(report))
+        markdown += f"\n![output tok/s, TTFT and TPOT per server and scenario]({plot.name})\n"
     stem.with_suffix(".md").write_text(markdown)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
     print(markdown)
-    print(f"wrote {stem}.md and {stem}.json")
+    print(f"wrote {stem}.md and {stem}.json" + (f" and {stem}.png" if runs else ""))
     return 0 if runs else 1
+
+
+def comparison_title(report: dict[str, Any]) -> str:
+    """The comparison plot's title: date, machine and model of the report."""
+    machine = report["machine"]
+    return (f"Serving benchmark, {report['date']}: {machine['cpu']}, {machine['cores']} cores, "
+            f"{report['model']['file']}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ chunks as they arrive, and reports throughput and TTFT/TPOT/ITL/E2E latency.
 With ``--api-key`` (default: ``$OPENAI_API_KEY``) every request carries
 ``Authorization: Bearer <key>``, as the openai SDK sends it.
 
+With ``--plot out.png`` it also draws the run (``benchmarks/plots.py``): TTFT, TPOT
+and ITL distributions and output tokens/s over time.
+
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 \
         --num-prompts 64 --max-concurrency 16 --input-len 64:512 --output-len 128 --ignore-eos
 """
@@ -47,6 +50,20 @@ class ServeOptions:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     show_progress: bool = True
     api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; None = no header
+
+
+@dataclass
+class TimedResult(RequestResult):
+    """A request's result that also knows when it was sent, to place its chunks on the run's clock."""
+
+    sent_s: float = 0.0  # seconds after the run started
+
+    def chunk_times_s(self) -> list[float]:
+        """When each non-empty chunk arrived, in seconds after the run started; empty for a failure."""
+        if not self.success:
+            return []
+        offsets = np.concatenate([[0.0], np.cumsum(self.itl_s)])
+        return (self.sent_s + self.ttft_s + offsets).tolist()
 
 
 class ServerRefused(RuntimeError):
@@ -170,12 +187,12 @@ def _error_message(response: httpx.Response) -> str:
 
 
 async def benchmark(requests: list[SyntheticRequest], options: ServeOptions,
-                    tokenizer: Tokenizer | None) -> tuple[dict[str, float | int], list[RequestResult]]:
+                    tokenizer: Tokenizer | None) -> tuple[dict[str, float | int], list[TimedResult]]:
     """Send ``requests`` as ``options`` says and measure them.
 
     Returns:
         The aggregate metrics (see ``compute_metrics``) and per-request results,
-        in dataset order.
+        in dataset order, each with when it was sent after the run started.
     """
     url = api_root(options.base_url) + ENDPOINT_PATHS[options.endpoint]
     limit = options.max_concurrency or max(len(requests), 1)
@@ -189,11 +206,12 @@ async def benchmark(requests: list[SyntheticRequest], options: ServeOptions,
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(options.api_key)) as client:
-        async def run_one(request: SyntheticRequest) -> RequestResult:
+        async def run_one(request: SyntheticRequest) -> TimedResult:
             async with semaphore:
+                sent_s = time.perf_counter() - start  # send_request reads its clock right after
                 result = await send_request(client, url, request, options, tokenizer)
             progress.update(1)
-            return result
+            return TimedResult(**vars(result), sent_s=sent_s)
 
         start = time.perf_counter()
         tasks = []
@@ -231,6 +249,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="JSON object merged into every request body")
     parser.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     parser.add_argument("--result-json", type=Path, default=None, help="write metrics here")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                        help="draw TTFT/TPOT/ITL distributions and output tok/s over time here (matplotlib)")
     parser.add_argument("--label", default="", help="free text stored in the result JSON")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
@@ -256,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark with options parsed by a parser that ``add_cli_args`` filled.
 
     Returns:
-        0 when at least one request completed, 1 otherwise (a server that cannot be reached
-        or refuses the key is one line on stderr, not a traceback).
+        0 when at least one request completed (and ``--plot``, if given, was written), 1 otherwise
+        (a server that cannot be reached or refuses the key is one line on stderr, not a traceback).
     """
     from benchmarks.model_files import load_tokenizer
 
@@ -286,7 +306,27 @@ def run(args: argparse.Namespace) -> int:
             "input_len": list(args.input_len), "output_len": list(args.output_len)}
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(result_record(metrics, results, config), indent=2))
-    return 0 if metrics["completed"] else 1
+    plotted = _write_plot(args, options, metrics, results) if args.plot else True
+    return 0 if metrics["completed"] and plotted else 1
+
+
+def _write_plot(args: argparse.Namespace, options: ServeOptions, metrics: dict[str, float | int],
+                results: list[TimedResult]) -> bool:
+    """Draw the run to ``args.plot``; False, with why on stderr, when it cannot."""
+    from benchmarks.plots import save_serve_plot  # matplotlib loads only when a plot is asked for
+
+    concurrency = options.max_concurrency or "unlimited"
+    rate = f"{options.request_rate:g} req/s" if np.isfinite(options.request_rate) else "all at once"
+    title = (f"{options.model} at {api_root(options.base_url)}{ENDPOINT_PATHS[options.endpoint]}: "
+             f"{args.num_prompts} prompts, concurrency {concurrency}, {rate}"
+             + (f" ({args.label})" if args.label else ""))
+    try:
+        path = save_serve_plot(args.plot, results, float(metrics["duration_s"]), title)
+    except (ValueError, OSError) as exc:
+        print(f"error: cannot write the plot {args.plot}: {exc}", file=sys.stderr)
+        return False
+    print(f"wrote {path}")
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

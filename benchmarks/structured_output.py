@@ -8,14 +8,15 @@ then constrained / free (ABBA), so a drift of the shared machine's load hits bot
 is computed within this one invocation, from every request of every round of each mode pooled.
 
 Fairness: the server it starts has prefix caching off, since every run sends the same prompts (a
-server given with ``--base-url`` should have it off too). With ``ignore_eos`` a constrained request still stops when its grammar completes. The
-schema is chosen so that it cannot complete within the default 128 tokens: its shortest instance
-(4 line items, every key forced, empty strings, nulls) is 270 tokens with SmolLM2's tokenizer. So
-both modes generate exactly ``max_tokens`` per request, in batches of the same size, and the
-headline figure, TPOT p50 (per output token, after the first), compares like with like; the report
-says whether every request got ``max_tokens`` (``equal_output_tokens``). Output tok/s is reported
-too. The grammar is compiled by a warm-up request first, so the measured runs time the per-step
-mask work, not the one-off compile (measured apart, below).
+server given with ``--base-url`` should have it off too). With ``ignore_eos`` a constrained request
+still stops when its grammar completes. The schema is chosen so that it cannot complete within the
+default 128 tokens: its shortest instance (4 line items, every key forced, empty strings, nulls) is
+270 tokens with SmolLM2's tokenizer. So both modes generate exactly ``max_tokens`` per request, in
+batches of the same size, and the headline figure, TPOT p50 (per output token, after the first),
+compares like with like; the report says whether every request got ``max_tokens``
+(``equal_output_tokens``). Output tok/s is reported too. The grammar is compiled by a warm-up
+request first, so the measured runs time the per-step mask work, not the one-off compile (measured
+apart, below).
 
 Compile: in-process, through the engine's ``GrammarCompiler`` (the server's code path): the
 time from ``compile(params)`` to the future's result, per schema of ``SCHEMAS``, each compile cold:

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineArgs
 from engine.core.scheduler import SchedulerStats
@@ -44,6 +45,7 @@ from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.output_processor import OutputProcessor, RequestOutputKind
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import EngineCoreRequest
+from engine.step_records import StepRecordBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,18 @@ class _Stop:
     pass
 
 
+@dataclass
+class _SnapshotKVCache:
+    """Asks the engine thread for ``EngineCore.kv_cache_snapshot()`` between two steps."""
+
+    future: asyncio.Future
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():  # its caller may have given up (a client gone)
+        future.set_result(result)
+
+
 class AsyncLLM:
     """Asynchronous generation over one ``EngineCore`` running on its own thread.
 
@@ -86,6 +100,8 @@ class AsyncLLM:
         processor: turns prompts into the ``ProcessedRequest`` s ``generate`` takes.
         tokenizer, model_name, max_model_len: the served model's.
         default_sampling_params: ``SamplingParams`` field -> the model's default (``generation_config``).
+        step_records: the dashboard's last step records (``StepRecordBuffer``); None when
+            ``step_record_buffer_size`` is 0.
     """
 
     def __init__(self, engine_core: EngineCore, processor: InputProcessor, loop: asyncio.AbstractEventLoop) -> None:
@@ -109,6 +125,9 @@ class AsyncLLM:
         self._stats = engine_core.make_stats()
         self._request_stats = RequestStatsTracker(self._stats)
         self._stat_loggers: list[StatLogger] = []
+        buffer_size = config.args.step_record_buffer_size
+        # The dashboard's step records (engine/step_records.py); None when they are off.
+        self.step_records = StepRecordBuffer(buffer_size) if buffer_size > 0 else None
         self._error: BaseException | None = None
         self._dead = asyncio.Event()  # set on the event loop once the engine has failed
         self._accepting = True
@@ -149,17 +168,22 @@ class AsyncLLM:
                     if self._apply(item):
                         return
                 outputs = core.step()
-                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied)
+                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied,
+                                                core.take_step_record())
         except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
             logger.exception("engine thread died")
             self._error = exc
             with contextlib.suppress(RuntimeError):  # the event loop may already be closed
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _apply(self, item: _AddRequest | _AbortRequests | _Stop) -> bool:
+    def _apply(self, item: _AddRequest | _AbortRequests | _SnapshotKVCache | _Stop) -> bool:
         """Apply one input on the engine thread; True means stop the loop."""
         if isinstance(item, _Stop):
             return True
+        if isinstance(item, _SnapshotKVCache):
+            snapshot = self.engine_core.kv_cache_snapshot()
+            self._loop.call_soon_threadsafe(_set_result, item.future, snapshot)
+            return False
         if isinstance(item, _AbortRequests):
             self.engine_core.abort_requests(item.request_ids)
             return False
@@ -176,7 +200,10 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ event loop
 
-    def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats, num_applied: int) -> None:
+    def _on_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats, num_applied: int,
+                 step_record: dict[str, Any] | None = None) -> None:
+        if step_record is not None and self.step_records is not None:
+            self.step_records.append(step_record)
         self._stats = scheduler_stats
         self._num_applied_at_stats = num_applied
         try:
@@ -295,6 +322,24 @@ class AsyncLLM:
         await self._dead.wait()
         assert self._error is not None
         return self._error
+
+    async def kv_cache_snapshot(self) -> dict[str, Any]:
+        """The KV cache block by block (``EngineCore.kv_cache_snapshot``), taken on the engine thread
+        between two steps.
+
+        Raises:
+            EngineDeadError: the engine is not running.
+        """
+        self._raise_if_unavailable()
+        future = self._loop.create_future()
+        self._inputs.put(_SnapshotKVCache(future))
+        dead = asyncio.ensure_future(self._dead.wait())
+        try:
+            await asyncio.wait([future, dead], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            dead.cancel()
+        self._raise_if_unavailable()
+        return future.result()
 
     def check_health(self) -> bool:
         """True while the engine thread is alive and accepting requests."""

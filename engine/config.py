@@ -93,6 +93,8 @@ class EngineArgs:
         "max_tokens), vllm or none = the engine's own, or a folder holding a generation_config.json")
     max_waiting_requests: int = _arg(
         1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
+    step_record_buffer_size: int = _arg(
+        2048, "Step records kept for the dashboard (/dashboard, /v1/dashboard/*); 0 = no records", "steps")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -110,6 +112,8 @@ class EngineArgs:
                              f"({self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.step_record_buffer_size < 0:
+            raise ValueError(f"step_record_buffer_size must be >= 0, got {self.step_record_buffer_size}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.draft_proposer import DraftProposer
@@ -27,6 +29,7 @@ from engine.executor.uniproc import UniProcExecutor
 from engine.outputs import EngineCoreOutput
 from engine.profiling import region
 from engine.request import EngineCoreRequest, Request, RequestStatus
+from engine.step_records import kv_cache_snapshot, make_step_record, scheduled_requests
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,11 @@ class EngineCore:
             config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,
                                    structured_output_manager=structured_output_manager, drafter=drafter)
+        self.num_steps = 0
+        # The last step's record for the dashboard (engine/step_records.py), taken by take_step_record().
+        self.record_steps = config.args.step_record_buffer_size > 0
+        self._step_record: dict[str, Any] | None = None
+        self._aborted_since_record: list[str] = []
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         args, block_size = config.args, config.cache_config.block_size
@@ -93,6 +101,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests now and free their blocks; unknown ids are ignored."""
+        if self.record_steps:
+            self._aborted_since_record += [r for r in request_ids if r in self.scheduler.requests]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -109,17 +119,41 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return []
         with region("engine_core.step"):
+            start = time.perf_counter()
             with region("scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0 and not scheduler_output.finished_req_ids:
                 # Only requests whose grammars are compiling: wait for one instead of spinning.
                 self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+            scheduled = scheduled_requests(self.scheduler, scheduler_output) if self.record_steps else []
+            scheduled_at = time.perf_counter()
             model_runner_output = self.executor.execute_model(scheduler_output)
+            forward_done = time.perf_counter()
             if model_runner_output is None:
                 grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
                 model_runner_output = self.executor.sample_tokens(grammar_output)
+            sampled_at = time.perf_counter()
             with region("scheduler.update_from_output"):
-                return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+                outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        if self.record_steps:
+            durations = {"schedule": scheduled_at - start, "forward": forward_done - scheduled_at,
+                         "sample": sampled_at - forward_done, "update": time.perf_counter() - sampled_at}
+            durations["total"] = sum(durations.values())
+            self._step_record = make_step_record(self.num_steps, durations, self.scheduler, scheduler_output,
+                                                 scheduled, outputs, self._aborted_since_record)
+            self._aborted_since_record = []
+        self.num_steps += 1
+        return outputs
+
+    def take_step_record(self) -> dict[str, Any] | None:
+        """The last step's record (``engine/step_records.py``), once; None when there is none new or
+        records are off (``step_record_buffer_size`` 0)."""
+        record, self._step_record = self._step_record, None
+        return record
+
+    def kv_cache_snapshot(self) -> dict[str, Any]:
+        """Every KV block's state and owners (``step_records.kv_cache_snapshot``); between steps only."""
+        return kv_cache_snapshot(self.scheduler, self.num_steps - 1)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -29,6 +29,8 @@ from engine.loading import LoadedEngine
 from server import __version__
 from server.chat import create_chat_completion
 from server.completions import create_completion
+from server.dashboard import router as dashboard_router
+from server.dashboard import static_files as dashboard_static_files
 from server.errors import (
     BodySizeLimitMiddleware,
     ErrorResponse,
@@ -401,5 +403,7 @@ def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | N
     add_exception_handlers(app)
     app.include_router(router)
     app.include_router(metrics_router)
+    app.include_router(dashboard_router)
+    app.mount("/dashboard/static", dashboard_static_files(), name="dashboard-static")
     _install_openapi(app, bool(server_args.api_key))
     return app

@@ -292,6 +292,8 @@ def test_random_workload_keeps_invariants(reqs, num_blocks, budget, max_num_seqs
         assert not free_ids & owners.keys()
         for block in pool.blocks[1:]:
             assert block.ref_cnt == owners.get(block.block_id, 0)
+        # The step records' count of reusable free blocks, kept incrementally, equals a recount.
+        assert pool.num_cached_free_blocks == sum(b.ref_cnt == 0 and b.block_hash is not None for b in pool.blocks)
         for o in outs:
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert not sched.has_requests()

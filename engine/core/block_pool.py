@@ -98,6 +98,9 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.ref_cnt = 1
+        # Free blocks that still hold a cached prefix (reusable by a hit until evicted); kept as a
+        # count so that a step record need not scan the pool.
+        self.num_cached_free_blocks = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -147,6 +150,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                self.num_cached_free_blocks -= block.block_hash is not None
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -156,6 +160,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                self.num_cached_free_blocks += block.block_hash is not None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only possible while no request holds blocks.
@@ -168,9 +173,12 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.num_cached_free_blocks = 0
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
+        """Drop the cached prefix of ``block``, just taken from the free queue."""
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
+            self.num_cached_free_blocks -= 1

@@ -1,0 +1,140 @@
+"""Step records: what the scheduler decided at each engine step, compactly, for the dashboard.
+
+One record per step (``make_step_record``), a JSON-ready dict whose fields ``docs/dashboard.md``
+lists: the step's phase durations, its requests (kind, phase, tokens, blocks, prefix-cache hits),
+preemptions, finishes, the token budget, the queues and the KV blocks. It holds ids and counts, no
+prompt text. Built on the engine thread after ``update_from_output``, from state the scheduler keeps
+anyway: O(scheduled requests) per step, no scan of the KV cache. ``kv_cache_snapshot`` is the
+block-by-block view, taken on request (it scans every block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import SchedulerOutput
+from engine.outputs import EngineCoreOutput
+from engine.request import Request
+
+#: ``kv_cache_snapshot``'s one character per block.
+NULL_BLOCK, USED_BLOCK, CACHED_FREE_BLOCK, FREE_BLOCK = "N", "U", "C", "F"
+
+
+def scheduled_requests(scheduler: Scheduler, scheduler_output: SchedulerOutput) -> list[tuple[Request, dict[str, Any]]]:
+    """Each scheduled request with its record entry, taken right after ``schedule()`` (its
+    ``num_computed_tokens`` already advanced past this step's tokens)."""
+    new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
+    resumed_ids = scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    req_to_blocks = scheduler.kv_cache_manager.req_to_blocks
+    entries = []
+    for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        request = scheduler.requests[req_id]
+        computed = request.num_computed_tokens - num_tokens
+        kind = "new" if req_id in new_ids else "resumed" if req_id in resumed_ids else "cached"
+        entry = {"id": req_id, "kind": kind, "phase": "prefill" if computed < request.num_prompt_tokens else "decode",
+                 "tokens": num_tokens, "computed": computed, "prompt_tokens": request.num_prompt_tokens,
+                 "blocks": len(req_to_blocks.get(req_id, ())), "cached_tokens": max(request.num_cached_tokens, 0),
+                 "samples": request.num_computed_tokens >= request.num_tokens}
+        if kind == "new":
+            entry["arrival_time"] = request.arrival_time
+        entries.append((request, entry))
+    return entries
+
+
+def make_step_record(step: int, durations_s: dict[str, float], scheduler: Scheduler,
+                     scheduler_output: SchedulerOutput, requests: list[tuple[Request, dict[str, Any]]],
+                     outputs: list[EngineCoreOutput], aborted: list[str]) -> dict[str, Any]:
+    """The record of one step (``docs/dashboard.md``).
+
+    Args:
+        step: the step's index, from 0.
+        durations_s: seconds spent in ``schedule``, ``forward``, ``sample`` and ``update``.
+        scheduler: after ``update_from_output``.
+        scheduler_output: the step's plan.
+        requests: ``scheduled_requests`` of the step.
+        outputs: what ``update_from_output`` returned.
+        aborted: requests aborted since the previous record (finished with reason ``abort``).
+    """
+    pool = scheduler.kv_cache_manager.block_pool
+    num_free = pool.get_num_free_blocks()
+    output_tokens = {request.request_id: request.num_output_tokens for request, _ in requests}
+    finished = [{"id": output.request_id, "reason": output.finish_reason.value,
+                 "output_tokens": output_tokens.get(output.request_id, 0)}
+                for output in outputs if output.finished]
+    finished += [{"id": request_id, "reason": "abort", "output_tokens": None} for request_id in aborted]
+    return {
+        "step": step,
+        "time": time.time(),
+        "duration_ms": {name: round(seconds * 1e3, 3) for name, seconds in durations_s.items()},
+        "num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
+        "max_num_batched_tokens": scheduler.config.max_num_batched_tokens,
+        "num_running": len(scheduler.running),
+        "num_waiting": len(scheduler.waiting),
+        "kv_blocks": {"used": pool.num_usable_blocks - num_free, "cached_free": pool.num_cached_free_blocks,
+                      "free": num_free - pool.num_cached_free_blocks, "total": pool.num_usable_blocks},
+        "requests": [entry for _, entry in requests],
+        "preempted": sorted(scheduler_output.preempted_req_ids),
+        "finished": finished,
+    }
+
+
+def kv_cache_snapshot(scheduler: Scheduler, step: int) -> dict[str, Any]:
+    """Every KV block's state, owners and sharing (``docs/dashboard.md``); scans the whole pool."""
+    kv = scheduler.kv_cache_manager
+    states = []
+    for block in kv.block_pool.blocks:
+        if block.block_id == 0:
+            states.append(NULL_BLOCK)
+        elif block.ref_cnt > 0:
+            states.append(USED_BLOCK)
+        else:
+            states.append(FREE_BLOCK if block.block_hash is None else CACHED_FREE_BLOCK)
+    owners = {req_id: [block.block_id for block in blocks] for req_id, blocks in kv.req_to_blocks.items() if blocks}
+    shared = {str(block.block_id): block.ref_cnt for block in kv.block_pool.blocks[1:] if block.ref_cnt > 1}
+    return {"step": step, "block_size": kv.block_size, "num_blocks": kv.block_pool.num_blocks,
+            "states": "".join(states), "owners": owners, "shared": shared}
+
+
+class StepRecordBuffer:
+    """The last ``size`` step records, and the queues of the clients following new ones.
+
+    Lives on the event loop: the engine thread hands each record over with its step's outputs.
+
+    Args:
+        size: records kept (``step_record_buffer_size``, >= 1).
+    """
+
+    #: Records a follower may fall behind by before the oldest it has not read are dropped.
+    MAX_FOLLOWER_LAG = 4096
+
+    def __init__(self, size: int) -> None:
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
+        self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        for queue in self._followers:
+            if queue.full():
+                queue.get_nowait()  # a client that does not keep up loses its oldest records
+            queue.put_nowait(record)
+
+    def recent(self, limit: int, since: int = -1) -> list[dict[str, Any]]:
+        """The last ``limit`` records after step ``since``, oldest first."""
+        records = [record for record in self.records if record["step"] > since]
+        return records[-limit:] if limit > 0 else []
+
+    @contextlib.contextmanager
+    def subscription(self) -> Iterator[asyncio.Queue[dict[str, Any]]]:
+        """A queue that receives every record appended while the ``with`` block runs."""
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=self.MAX_FOLLOWER_LAG)
+        self._followers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._followers.discard(queue)
