@@ -66,6 +66,7 @@ lint: install-test
 	$(BIN)/ruff check engine server benchmarks tests
 
 bench: install
+	$(BIN)/pip install -e ".[bench]"
 	$(BIN)/python -m benchmarks.run_all
 
 image:

@@ -36,7 +36,6 @@ import torch
 
 from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
 from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
-from benchmarks.plots import save_comparison_plot
 from benchmarks.roofline import (
     DTYPES,
     cpu_model,
@@ -412,13 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"bench-{now.strftime('%Y%m%d-%H%M%S')}"
     markdown = markdown_report(report)
-    if runs:
-        plot = save_comparison_plot(stem.with_suffix(".png"), runs, title=comparison_title(report))
-        markdown += f"\n![output tok/s, TTFT and TPOT per server and scenario]({plot.name})\n"
-    stem.with_suffix(".md").write_text(markdown)
+    # The results first: a plot that cannot be drawn must not lose them.
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".md").write_text(markdown)
+    plotted = False
+    if runs:
+        try:
+            from benchmarks.plots import save_comparison_plot  # matplotlib: the bench extra
+
+            plot = save_comparison_plot(stem.with_suffix(".png"), runs, title=comparison_title(report))
+        except (ImportError, ValueError, OSError) as exc:
+            print(f"no comparison plot: {exc}", file=sys.stderr)
+        else:
+            markdown += f"\n![output tok/s, TTFT and TPOT per server and scenario]({plot.name})\n"
+            stem.with_suffix(".md").write_text(markdown)
+            plotted = True
     print(markdown)
-    print(f"wrote {stem}.md and {stem}.json" + (f" and {stem}.png" if runs else ""))
+    print(f"wrote {stem}.md and {stem}.json" + (f" and {stem}.png" if plotted else ""))
     return 0 if runs else 1
 
 

@@ -313,7 +313,11 @@ def run(args: argparse.Namespace) -> int:
 def _write_plot(args: argparse.Namespace, options: ServeOptions, metrics: dict[str, float | int],
                 results: list[TimedResult]) -> bool:
     """Draw the run to ``args.plot``; False, with why on stderr, when it cannot."""
-    from benchmarks.plots import save_serve_plot  # matplotlib loads only when a plot is asked for
+    try:
+        from benchmarks.plots import save_serve_plot  # matplotlib loads only when a plot is asked for
+    except ImportError as exc:
+        print(f"--plot needs matplotlib (pip install 'pagedserve[bench]'): {exc}", file=sys.stderr)
+        return False
 
     concurrency = options.max_concurrency or "unlimited"
     rate = f"{options.request_rate:g} req/s" if np.isfinite(options.request_rate) else "all at once"

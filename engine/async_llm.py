@@ -67,6 +67,7 @@ class _AddRequest:
 @dataclass
 class _AbortRequests:
     request_ids: list[str]
+    reason: str = "abort"  # for the step records: "stop" when a stop string ended them
 
 
 class _Stop:
@@ -83,6 +84,11 @@ class _SnapshotKVCache:
 def _set_result(future: asyncio.Future, result: Any) -> None:
     if not future.done():  # its caller may have given up (a client gone)
         future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
 
 
 class AsyncLLM:
@@ -128,6 +134,8 @@ class AsyncLLM:
         buffer_size = config.args.step_record_buffer_size
         # The dashboard's step records (engine/step_records.py); None when they are off.
         self.step_records = StepRecordBuffer(buffer_size) if buffer_size > 0 else None
+        engine_core.record_steps = self.step_records is not None
+        self._kv_snapshot: asyncio.Future | None = None  # the one in flight, shared by its callers
         self._error: BaseException | None = None
         self._dead = asyncio.Event()  # set on the event loop once the engine has failed
         self._accepting = True
@@ -168,8 +176,8 @@ class AsyncLLM:
                     if self._apply(item):
                         return
                 outputs = core.step()
-                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied,
-                                                core.take_step_record())
+                record = core.take_step_record() if self.step_records is not None else None
+                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied, record)
         except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
             logger.exception("engine thread died")
             self._error = exc
@@ -181,11 +189,16 @@ class AsyncLLM:
         if isinstance(item, _Stop):
             return True
         if isinstance(item, _SnapshotKVCache):
-            snapshot = self.engine_core.kv_cache_snapshot()
-            self._loop.call_soon_threadsafe(_set_result, item.future, snapshot)
+            try:
+                snapshot = self.engine_core.kv_cache_snapshot()
+            except Exception as exc:  # noqa: BLE001 - a view's fault must not stop the engine
+                logger.exception("the KV cache snapshot failed")
+                self._loop.call_soon_threadsafe(_set_exception, item.future, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, item.future, snapshot)
             return False
         if isinstance(item, _AbortRequests):
-            self.engine_core.abort_requests(item.request_ids)
+            self.engine_core.abort_requests(item.request_ids, item.reason)
             return False
         self._num_applied += 1
         try:
@@ -218,7 +231,10 @@ class AsyncLLM:
     def _process_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
-            self._inputs.put(_AbortRequests(processed.reqs_to_abort))
+            failed_siblings = [r for r in processed.reqs_to_abort if r not in set(processed.stopped)]
+            for request_ids, reason in ((processed.stopped, "stop"), (failed_siblings, "abort")):
+                if request_ids:
+                    self._inputs.put(_AbortRequests(request_ids, reason))
         for request_output in processed.request_outputs:
             stream = self._streams.get(request_output.request_id)
             if stream is not None:
@@ -331,8 +347,11 @@ class AsyncLLM:
             EngineDeadError: the engine is not running.
         """
         self._raise_if_unavailable()
-        future = self._loop.create_future()
-        self._inputs.put(_SnapshotKVCache(future))
+        if self._kv_snapshot is None or self._kv_snapshot.done():
+            # One snapshot in flight at a time, whatever the number of viewers: each scans every block.
+            self._kv_snapshot = self._loop.create_future()
+            self._inputs.put(_SnapshotKVCache(self._kv_snapshot))
+        future = self._kv_snapshot
         dead = asyncio.ensure_future(self._dead.wait())
         try:
             await asyncio.wait([future, dead], return_when=asyncio.FIRST_COMPLETED)

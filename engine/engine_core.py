@@ -65,10 +65,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,
                                    structured_output_manager=structured_output_manager, drafter=drafter)
         self.num_steps = 0
-        # The last step's record for the dashboard (engine/step_records.py), taken by take_step_record().
-        self.record_steps = config.args.step_record_buffer_size > 0
+        # Step records for the dashboard (engine/step_records.py), taken by take_step_record(); off
+        # unless a reader switches them on (AsyncLLM does, with step_record_buffer_size > 0).
+        self.record_steps = False
         self._step_record: dict[str, Any] | None = None
-        self._aborted_since_record: list[str] = []
+        self._finished_since_record: list[tuple[str, str, int]] = []
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         args, block_size = config.args, config.cache_config.block_size
@@ -99,10 +100,17 @@ class EngineCore:
         """
         self.scheduler.add_request(Request.from_engine_core_request(request, self.config.cache_config.block_size))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        """Finish requests now and free their blocks; unknown ids are ignored."""
+    def abort_requests(self, request_ids: list[str], reason: str = "abort") -> None:
+        """Finish requests now and free their blocks; unknown ids are ignored.
+
+        Args:
+            reason: what the step records say ended them: ``abort``, or ``stop`` for a stop string
+                the frontend found (it ended the request; the engine only stops computing it).
+        """
         if self.record_steps:
-            self._aborted_since_record += [r for r in request_ids if r in self.scheduler.requests]
+            requests = self.scheduler.requests
+            self._finished_since_record += [(r, reason, requests[r].num_output_tokens)
+                                            for r in request_ids if r in requests]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -140,8 +148,8 @@ class EngineCore:
                          "sample": sampled_at - forward_done, "update": time.perf_counter() - sampled_at}
             durations["total"] = sum(durations.values())
             self._step_record = make_step_record(self.num_steps, durations, self.scheduler, scheduler_output,
-                                                 scheduled, outputs, self._aborted_since_record)
-            self._aborted_since_record = []
+                                                 scheduled, outputs, self._finished_since_record)
+            self._finished_since_record = []
         self.num_steps += 1
         return outputs
 

@@ -57,6 +57,8 @@ class ProcessedOutputs:
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
+    #: Those of ``reqs_to_abort`` that a stop string finished (the others are siblings of failed children).
+    stopped: list[str] = field(default_factory=list)
     failed: dict[str, InvalidRequestError | RequestFailedError] = field(default_factory=dict)
 
 
@@ -177,6 +179,7 @@ class OutputProcessor:
                 continue
             if self._apply(child, output):
                 processed.reqs_to_abort.append(child.request_id)
+                processed.stopped.append(child.request_id)
             if output.new_token_ids or child.finish_reason is not None:
                 advanced.setdefault(child.parent.request_id, {})[child.request_id] = child
         for parent_id, children in advanced.items():

@@ -3,8 +3,9 @@
 One record per step (``make_step_record``), a JSON-ready dict whose fields ``docs/dashboard.md``
 lists: the step's phase durations, its requests (kind, phase, tokens, blocks, prefix-cache hits),
 preemptions, finishes, the token budget, the queues and the KV blocks. It holds ids and counts, no
-prompt text. Built on the engine thread after ``update_from_output``, from state the scheduler keeps
-anyway: O(scheduled requests) per step, no scan of the KV cache. ``kv_cache_snapshot`` is the
+prompt text. Built on the engine thread, the request entries right after ``schedule()``, the rest
+after ``update_from_output``, from state the scheduler keeps anyway: O(scheduled requests) per step,
+no scan of the KV cache. ``kv_cache_snapshot`` is the
 block-by-block view, taken on request (it scans every block).
 """
 
@@ -37,7 +38,9 @@ def scheduled_requests(scheduler: Scheduler, scheduler_output: SchedulerOutput) 
         request = scheduler.requests[req_id]
         computed = request.num_computed_tokens - num_tokens
         kind = "new" if req_id in new_ids else "resumed" if req_id in resumed_ids else "cached"
-        entry = {"id": req_id, "kind": kind, "phase": "prefill" if computed < request.num_prompt_tokens else "decode",
+        # A resumed request recomputes its output tokens too: all but the last are prefill again.
+        phase = "prefill" if computed < max(request.num_prompt_tokens, request.num_tokens - 1) else "decode"
+        entry = {"id": req_id, "kind": kind, "phase": phase,
                  "tokens": num_tokens, "computed": computed, "prompt_tokens": request.num_prompt_tokens,
                  "blocks": len(req_to_blocks.get(req_id, ())), "cached_tokens": max(request.num_cached_tokens, 0),
                  "samples": request.num_computed_tokens >= request.num_tokens}
@@ -49,7 +52,7 @@ def scheduled_requests(scheduler: Scheduler, scheduler_output: SchedulerOutput) 
 
 def make_step_record(step: int, durations_s: dict[str, float], scheduler: Scheduler,
                      scheduler_output: SchedulerOutput, requests: list[tuple[Request, dict[str, Any]]],
-                     outputs: list[EngineCoreOutput], aborted: list[str]) -> dict[str, Any]:
+                     outputs: list[EngineCoreOutput], aborted: list[tuple[str, str, int]]) -> dict[str, Any]:
     """The record of one step (``docs/dashboard.md``).
 
     Args:
@@ -59,15 +62,20 @@ def make_step_record(step: int, durations_s: dict[str, float], scheduler: Schedu
         scheduler_output: the step's plan.
         requests: ``scheduled_requests`` of the step.
         outputs: what ``update_from_output`` returned.
-        aborted: requests aborted since the previous record (finished with reason ``abort``).
+        aborted: requests finished from outside a step since the previous record: ``(id, reason,
+            output tokens)``; reason ``stop`` for a stop string the frontend found, else ``abort``.
     """
     pool = scheduler.kv_cache_manager.block_pool
     num_free = pool.get_num_free_blocks()
     output_tokens = {request.request_id: request.num_output_tokens for request, _ in requests}
+    new_tokens = {output.request_id: len(output.new_token_ids) for output in outputs}
+    for _, entry in requests:
+        entry["new_tokens"] = new_tokens.get(entry["id"], 0)
     finished = [{"id": output.request_id, "reason": output.finish_reason.value,
                  "output_tokens": output_tokens.get(output.request_id, 0)}
                 for output in outputs if output.finished]
-    finished += [{"id": request_id, "reason": "abort", "output_tokens": None} for request_id in aborted]
+    finished += [{"id": request_id, "reason": reason, "output_tokens": num_output_tokens}
+                 for request_id, reason, num_output_tokens in aborted]
     return {
         "step": step,
         "time": time.time(),
@@ -124,10 +132,14 @@ class StepRecordBuffer:
                 queue.get_nowait()  # a client that does not keep up loses its oldest records
             queue.put_nowait(record)
 
-    def recent(self, limit: int, since: int = -1) -> list[dict[str, Any]]:
-        """The last ``limit`` records after step ``since``, oldest first."""
-        records = [record for record in self.records if record["step"] > since]
-        return records[-limit:] if limit > 0 else []
+    def recent(self, limit: int, since: int | None = None) -> list[dict[str, Any]]:
+        """Records, oldest first: the first ``limit`` after step ``since``, or without ``since`` the last
+        ``limit``."""
+        if limit <= 0:
+            return []
+        if since is None:
+            return list(self.records)[-limit:]
+        return [record for record in self.records if record["step"] > since][:limit]
 
     @contextlib.contextmanager
     def subscription(self) -> Iterator[asyncio.Queue[dict[str, Any]]]:

@@ -31,6 +31,8 @@ from server.errors import OpenAIError, engine_errors
 STATIC_DIR = Path(__file__).parent / "static"
 #: Records a browser gets per second by default: enough for the timeline, cheap to draw.
 DEFAULT_MAX_RATE = 10.0
+#: How often an idle stream checks that the engine is still alive, in seconds.
+ENGINE_CHECK_S = 1.0
 
 router = APIRouter()
 
@@ -58,32 +60,39 @@ async def dashboard() -> FileResponse:
 
 @router.get("/v1/dashboard/steps/recent", include_in_schema=False)
 async def recent_steps(records: StepRecords, limit: Annotated[int, Query(ge=0, le=100_000)] = 256,
-                       since: int = -1) -> list[dict[str, Any]]:
-    """The last ``limit`` step records after step ``since``, oldest first (``docs/dashboard.md``)."""
+                       since: int | None = None) -> list[dict[str, Any]]:
+    """Step records, oldest first (``docs/dashboard.md``): the first ``limit`` after step ``since`` when
+    it is given (so a client pages forward), else the last ``limit``."""
     return records.recent(limit, since)
 
 
 @router.get("/v1/dashboard/steps", include_in_schema=False)
-async def follow_steps(records: StepRecords, history: Annotated[int, Query(ge=0, le=100_000)] = 256,
-                       since: int = -1, max_rate: Annotated[float, Query(gt=0, le=1000)] = DEFAULT_MAX_RATE,
+async def follow_steps(records: StepRecords, request: Request,
+                       history: Annotated[int, Query(ge=0, le=100_000)] = 256, since: int | None = None,
+                       max_rate: Annotated[float, Query(ge=0.1, le=1000)] = DEFAULT_MAX_RATE,
                        every_step: bool = False) -> EventSourceResponse:
     """Server-sent events, one step record each: the buffered ones (at most ``history``, after step
     ``since``), then each new step. Unless ``every_step``, at most ``max_rate`` records a second are
     sent: a record that comes too soon waits and is replaced by the next one, which carries its
-    preemptions and finishes, so a client counting them misses none."""
+    preemptions and finishes, so a client counting them misses none (unless it falls more than
+    ``StepRecordBuffer.MAX_FOLLOWER_LAG`` records behind). The stream ends when the engine dies."""
+    engine: AsyncLLM = request.app.state.engine
+
     async def events() -> AsyncIterator[str]:
         with records.subscription() as queue:
             backlog = records.recent(history, since)
-            last_step = backlog[-1]["step"] if backlog else since
+            last_step = backlog[-1]["step"] if backlog else (-1 if since is None else since)
             for record in backlog:
                 yield json.dumps(record)
             pending: dict[str, Any] | None = None  # not sent yet, carrying what skipped records held
             next_send = 0.0
             while True:
-                timeout = None if pending is None else max(0.0, next_send - time.monotonic())
+                timeout = ENGINE_CHECK_S if pending is None else max(0.0, next_send - time.monotonic())
                 try:
-                    record = await asyncio.wait_for(queue.get(), timeout)
+                    record = await asyncio.wait_for(queue.get(), min(timeout, ENGINE_CHECK_S))
                 except TimeoutError:
+                    if engine.errored:
+                        return  # no more steps will come
                     record = None
                 if record is not None and record["step"] > last_step:
                     pending = record if pending is None else _carry(pending, record)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -152,11 +153,52 @@ def test_preemptions_and_resumptions_are_recorded(serve_fresh_engine: Any) -> No
         records = client.get("/v1/dashboard/steps/recent", params={"limit": 4096}).json()
     preempted = {request_id for record in records for request_id in record["preempted"]}
     assert preempted, "a 12-block cache preempts six growing requests"
-    resumed = {entry["id"] for record in records for entry in record["requests"] if entry["kind"] == "resumed"}
-    assert preempted <= resumed
+    resumed = [entry for record in records for entry in record["requests"] if entry["kind"] == "resumed"]
+    assert preempted <= {entry["id"] for entry in resumed}
+    # Resumed, a request recomputes its prompt and its output: a prefill, not a decode.
+    assert all(entry["phase"] == "prefill" for entry in resumed if entry["tokens"] > 1)
     assert len({f["id"] for record in records for f in record["finished"]}) == 6
 
 
 def test_the_records_cost_only_a_buffer_size_setting() -> None:
     with pytest.raises(ValueError, match="step_record_buffer_size"):
         EngineArgs(step_record_buffer_size=-1)
+
+
+def test_a_stop_string_finish_is_recorded_as_a_stop(client: httpx.Client) -> None:
+    completion = _complete(client, "Count: 1, 2, 3,", max_tokens=20, stop=[","], ignore_eos=True)
+    assert completion["choices"][0]["finish_reason"] == "stop"
+    request_id = f"{completion['id']}-0"
+    # The frontend finds the stop string and aborts the request in the engine: a step or two later.
+    for _ in range(50):
+        records = client.get("/v1/dashboard/steps/recent", params={"limit": 50}).json()
+        finished = [f for record in records for f in record["finished"] if f["id"] == request_id]
+        if finished:
+            break
+        _complete(client, "Another step.", max_tokens=1)
+    assert finished and finished[0]["reason"] == "stop" and finished[0]["output_tokens"] >= 1
+
+
+def test_recent_pages_forward_from_since(client: httpx.Client) -> None:
+    _complete(client, "Make a few steps.", max_tokens=4)
+    last = client.get("/v1/dashboard/steps/recent", params={"limit": 4}).json()
+    first_step = last[0]["step"]
+    page = client.get("/v1/dashboard/steps/recent", params={"since": first_step - 1, "limit": 2}).json()
+    assert [record["step"] for record in page] == [first_step, first_step + 1]
+
+
+def test_a_closed_stream_leaves_no_follower(client: httpx.Client, served: Served) -> None:
+    followers = served.engine.step_records._followers
+    _complete(client, "So that the stream has a backlog to send.", max_tokens=2)
+    with httpx.Client(base_url=served.url, timeout=60) as streamer, \
+            streamer.stream("GET", "/v1/dashboard/steps", params={"history": 1}) as response:
+        next(line for line in response.iter_lines() if line.startswith("data: "))
+        deadline = time.monotonic() + 10
+        while not followers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(followers) == 1
+    _complete(client, "After the stream closed.", max_tokens=2)  # a step, so the server sees it gone
+    deadline = time.monotonic() + 10
+    while followers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not followers

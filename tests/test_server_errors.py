@@ -351,7 +351,8 @@ class _GatedCore:
         model_config = ModelConfig(path="unused", served_model_name="gated", hf_config=None, max_model_len=64,
                                    vocab_size=49152, generation_defaults={})
         self.config = SimpleNamespace(model_config=model_config,
-                                      args=SimpleNamespace(max_waiting_requests=max_waiting_requests))
+                                      args=SimpleNamespace(max_waiting_requests=max_waiting_requests,
+                                                           step_record_buffer_size=0))
         self.gate = threading.Event()
         self.requests: list[EngineCoreRequest] = []
 

@@ -103,12 +103,14 @@ function loadColours() {
 // ---------------------------------------------------------------- 2. API access
 
 function apiKey() {
-  try { return localStorage.getItem(KEY_STORAGE) || ""; } catch (e) { return ""; }
+  // sessionStorage, not localStorage: the key is gone with the tab, and no other page of the origin
+  // opened later (e.g. /docs, which loads scripts from a CDN) can read it.
+  try { return sessionStorage.getItem(KEY_STORAGE) || ""; } catch (e) { return ""; }
 }
 
 function setApiKey(key) {
   try {
-    if (key) localStorage.setItem(KEY_STORAGE, key); else localStorage.removeItem(KEY_STORAGE);
+    if (key) sessionStorage.setItem(KEY_STORAGE, key); else sessionStorage.removeItem(KEY_STORAGE);
   } catch (e) { /* storage off: the key lives in the field only */ }
 }
 
@@ -371,7 +373,8 @@ function addToSeries(record) {
   const point = {
     t: record.time, step: record.step, running: record.num_running, waiting: record.num_waiting,
     used: kv.used, cachedFree: kv.cached_free, total: kv.total,
-    samples: (record.requests || []).reduce((n, r) => n + (r.samples ? 1 : 0), 0),
+    // new_tokens: 1 + accepted drafts under speculative decoding; samples alone would count 1.
+    samples: (record.requests || []).reduce((n, r) => n + (r.new_tokens ?? (r.samples ? 1 : 0)), 0),
   };
   insertByStep(state.series, point);
   const cutoff = dashboard.lastStep.time - WINDOW_S - 5;
@@ -434,7 +437,9 @@ function pruneLives() {
 // ---------------------------------------------------------------- KV snapshots
 
 async function pollKv() {
+  // Each snapshot scans the whole cache on the engine thread: only when someone can see it.
   if (state.kvBusy || state.streamDisabled || state.needKey) return;
+  if (!engineVisible() || document.visibilityState === "hidden") return;
   state.kvBusy = true;
   try {
     const resp = await apiFetch("/v1/dashboard/kv_cache");
@@ -1343,7 +1348,7 @@ function start() {
   loadModels();
   setInterval(pollKv, KV_POLL_MS);
   setInterval(backfill, BACKFILL_MS);
-  setInterval(() => { pruneLives(); renderPanels(); }, 1000);
+  setInterval(() => { pruneLives(); pruneSteps(); renderPanels(); }, 1000);
   redrawAll();
 }
 
