@@ -231,7 +231,8 @@ class AsyncLLM:
     def _process_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
         processed = self.output_processor.process_outputs(outputs)
         if processed.reqs_to_abort:
-            failed_siblings = [r for r in processed.reqs_to_abort if r not in set(processed.stopped)]
+            stopped = set(processed.stopped)
+            failed_siblings = [r for r in processed.reqs_to_abort if r not in stopped]
             for request_ids, reason in ((processed.stopped, "stop"), (failed_siblings, "abort")):
                 if request_ids:
                     self._inputs.put(_AbortRequests(request_ids, reason))

@@ -205,7 +205,7 @@ def chat_request(request: ResponsesRequest, history: list[ChatMessage]
 _FIELD_NAMES = (
     (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
     (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
-    (re.compile(r"^tools(\.\d+|\[\d+\])\.function"), r"tools\1"),
+    (re.compile(r"^tools(\.\d+)\.function"), r"tools\1"),
     (re.compile(r"^tool_choice\.function"), "tool_choice"),
     (re.compile(r"^(messages(\..*)?|prompt)$"), "input"),
 )

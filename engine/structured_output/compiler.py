@@ -59,8 +59,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 def json_schema_error(schema: dict[str, Any]) -> str:
     """Why llguidance cannot enforce ``schema`` (a JSON schema, as structured output compiles it);
     ``""`` when it can. Checks without a tokenizer, in a millisecond or so."""
-    return llguidance.LLMatcher.validate_grammar(
-        llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema, ensure_ascii=False), overrides=JSON_FORMAT))
+    return llguidance.LLMatcher.validate_grammar(grammar_text(StructuredOutputsParams(json=schema)))
 
 
 class GrammarCompiler:

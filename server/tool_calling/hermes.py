@@ -260,10 +260,8 @@ def _markup(function: Mapping[str, Any]) -> str:
     return f"{CALL_START}\n{call}\n{CALL_END}"
 
 
-def _json_option(schema: dict[str, Any] | bool) -> str:
+def _json_option(schema: dict[str, Any]) -> str:
     """``schema`` for ``%json``, with the engine's bounded JSON whitespace (``JSON_FORMAT``)."""
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
     own = schema.get("x-guidance")
     return json.dumps({**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **JSON_FORMAT}},
                       ensure_ascii=False)

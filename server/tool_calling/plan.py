@@ -66,7 +66,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     callable: tuple[Tool, ...]
     parallel: bool
-    answer_schema: dict[str, Any] | bool | None = None
+    answer_schema: dict[str, Any] | None = None
 
     @property
     def active(self) -> bool:
