@@ -47,6 +47,11 @@ def test_the_installed_wheel_serves_a_completion(installed: Path, tmp_path: Path
                     cwd=tmp_path, env=env) as (url, _):
         body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        # The package data and the grammar engine come with the install too.
+        page = httpx.get(f"{url}/dashboard/static/dashboard.js", timeout=60)
+        choice = httpx.post(f"{url}/v1/completions", json={**body, "guided_choice": ["Paris", "Rome"]}, timeout=120)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+    assert page.status_code == 200 and "window.dashboard" in page.text
+    assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in {"Paris", "Rome"}
     assert list((cache / "kernels").glob("paged_decode_attention-*.so"))  # decodes ran in the C kernel
     assert "Traceback" not in (tmp_path / "server.log").read_text()
