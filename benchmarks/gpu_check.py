@@ -10,7 +10,9 @@ running (their modules under ``benchmarks/gpu/`` say what they measure):
 - ``throughput``: offline throughput of a random-weight model with
   Llama-3.2-1B's shape in bf16, eager and with CUDA graphs;
 - ``decode_steps``: decode step time at batch 1, 64 and 256 on that model,
-  against the roofline, and where the step's time goes by the engine's regions.
+  against the roofline, and where the step's time goes by the engine's regions;
+- ``tensor_parallel``: greedy outputs at tensor-parallel size 2 against size 1
+  (skipped, with a note, below two CUDA devices).
 
 The check imports only engine modules that need neither fastapi, uvicorn nor
 gguf, so it runs on a machine whose Python has torch, triton and transformers
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity
+from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity, tensor_parallel
 from benchmarks.gpu.context import CheckContext, LogRecorder
 from benchmarks.gpu.report import SECTIONS, goals, write_summary
 
@@ -94,6 +96,8 @@ def run_check(device: str, sections: list[str], quick: bool, out: Path,
         on_engine = [s for s in (decode_throughput.THROUGHPUT, decode_throughput.DECODE) if s in sections]
         if on_engine:
             decode_throughput.run(ctx, on_engine)
+        if tensor_parallel.NAME in sections:
+            ctx.run_section(tensor_parallel.NAME, tensor_parallel.run)
     engine_logger.removeHandler(recorder)
     ctx.save()
     results["meta"].pop("_t0")

@@ -17,7 +17,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 
-def _instant_runner_output(so) -> ModelRunnerOutput:
+def instant_runner_output(so) -> ModelRunnerOutput:
     req_ids = list(so.num_scheduled_tokens)
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                              sampled_token_ids=[[7]] * len(req_ids))
@@ -35,12 +35,12 @@ def measure(num_requests: int = 256, steps: int = 2000, prompt_len: int = 128, b
                                       block_size))
     while scheduler.waiting:  # prefill everything first; only decode steps are timed
         so = scheduler.schedule()
-        scheduler.update_from_output(so, _instant_runner_output(so))
+        scheduler.update_from_output(so, instant_runner_output(so))
     samples = []
     for _ in range(steps):
         start = time.perf_counter()
         so = scheduler.schedule()
-        scheduler.update_from_output(so, _instant_runner_output(so))
+        scheduler.update_from_output(so, instant_runner_output(so))
         samples.append(time.perf_counter() - start)
         assert len(so.num_scheduled_tokens) == num_requests
     return samples

@@ -50,6 +50,7 @@ class ServeOptions:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     show_progress: bool = True
     api_key: str | None = field(default=None, repr=False)  # sent as a bearer token; None = no header
+    headers: dict[str, str] = field(default_factory=dict)  # more HTTP headers on every request
 
 
 @dataclass
@@ -205,7 +206,8 @@ async def benchmark(requests: list[SyntheticRequest], options: ServeOptions,
     timeout = httpx.Timeout(options.request_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=auth_headers(options.api_key)) as client:
+    headers = options.headers | auth_headers(options.api_key)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         async def run_one(request: SyntheticRequest) -> TimedResult:
             async with semaphore:
                 sent_s = time.perf_counter() - start  # send_request reads its clock right after

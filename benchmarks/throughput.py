@@ -468,9 +468,14 @@ def _phase_child(name: str, cfg: BenchConfig, prompts: Prompts) -> dict[str, Any
 
 
 def run_phase(name: str, cfg: BenchConfig, prompts: Prompts) -> dict[str, Any]:
-    """Run one phase in a fresh spawned process and return its result (with its peak RSS)."""
+    """Run one phase in a fresh process and return its result (with its peak RSS).
+
+    The process is forked from a fork server that has imported this module (torch, transformers) once,
+    so each phase pays for its own model and memory, not for the imports again."""
     print(f"[throughput] phase {name} ...", file=sys.stderr, flush=True)
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["benchmarks.throughput"])
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         return pool.submit(_phase_child, name, cfg, prompts).result()
 
 

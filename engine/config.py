@@ -86,6 +86,9 @@ class EngineArgs:
         "kernel (CPU only); triton = Triton kernels (CUDA only); torch = the plain torch reference (either)",
         choices=("auto", "cpu", "torch", "triton"))
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
+    tensor_parallel_size: int = _arg(
+        1, "Processes the weights are split over (Megatron-style tensor parallelism): one per GPU on CUDA "
+        "(NCCL), a share of the cores each on CPU (gloo); KV cache sizes are per process", "processes")
     max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
     generation_config: str = _arg(
         "auto", "Defaults for the sampling fields a request leaves unset: auto = the model's "
@@ -102,7 +105,7 @@ class EngineArgs:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
-                    "max_waiting_requests")
+                    "max_waiting_requests", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -174,15 +177,23 @@ class ModelConfig:
         """Find the model, convert a GGUF file once, read its config and generation defaults.
 
         Raises:
-            ValueError: a model that cannot be found, or ``max_model_len`` beyond the model's positions.
+            ValueError: a model that cannot be found, ``max_model_len`` beyond the model's positions, or
+                heads that do not split over ``tensor_parallel_size`` ranks.
             OSError: model files that cannot be read, a cache that cannot be written.
         """
         # Imported here: they need torch and transformers, and the scheduler side imports this module.
         from engine.generation_config import load_generation_defaults
-        from engine.model.loader import gguf_cache_folder, load_hf_config, resolve_model_path
+        from engine.model.loader import (
+            check_tensor_parallel_split,
+            gguf_cache_folder,
+            load_hf_config,
+            resolve_model_path,
+        )
 
         source = gguf_cache_folder(resolve_model_path(args.model))
         hf_config = load_hf_config(source)
+        if args.tensor_parallel_size > 1:
+            check_tensor_parallel_split(hf_config, args.tensor_parallel_size)
         return cls(path=source.path, served_model_name=args.served_model_name or source.display_name,
                    hf_config=hf_config, max_model_len=_max_model_len(args.max_model_len, hf_config),
                    vocab_size=hf_config.vocab_size,

@@ -25,7 +25,6 @@ from engine.core.draft_proposer import DraftProposer
 from engine.core.scheduler import Scheduler, SchedulerStats
 from engine.core.structured_output import StructuredOutputManager
 from engine.executor.abstract import Executor
-from engine.executor.uniproc import UniProcExecutor
 from engine.outputs import EngineCoreOutput
 from engine.profiling import region
 from engine.request import EngineCoreRequest, Request, RequestStatus
@@ -44,7 +43,7 @@ class EngineCore:
     Args:
         config: the engine's resolved configuration (``EngineConfig.from_args``);
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
-        executor_class: how to run the workers.
+        executor_class: how to run the workers; None = ``Executor.get_class(config)``.
         drafter: proposes draft tokens for speculative decoding; None = none.
         structured_output_manager: owns the grammars of constrained requests; None = requests with
             ``structured_outputs`` are refused.
@@ -54,12 +53,16 @@ class EngineCore:
             ``max_model_len`` tokens.
     """
 
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor,
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
                  drafter: DraftProposer | None = None,
                  structured_output_manager: StructuredOutputManager | None = None) -> None:
-        self.executor = executor_class(config)
-        num_blocks = self._num_kv_blocks(config)
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor = (executor_class or Executor.get_class(config))(config)
+        try:
+            num_blocks = self._num_kv_blocks(config)
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # worker processes must not outlive a failed start
+            raise
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,

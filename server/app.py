@@ -168,8 +168,11 @@ _GENERATION_ERRORS = _errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND, HTTPStatus.TOO
 def _generation_responses(response: type, description: str) -> dict[int | str, dict[str, Any]]:
     """The 200 of a generation route: ``response`` as JSON, or with ``stream`` a server-sent event
     stream of its chunks, then ``data: [DONE]``; and its errors."""
-    stream = {"schema": {"type": "string", "description": "Server-sent events: 'data: <chunk JSON>' each, "
-                         "then 'data: [DONE]'; an error after the first chunk is 'data: {\"error\": ...}'."}}
+    # One event as OpenAPI tools parse a stream (schemathesis validates each one against it): an object
+    # of the event's fields, not the stream's text.
+    stream = {"schema": {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}},
+                         "description": "Server-sent events: 'data: <chunk JSON>' each, then 'data: [DONE]'; an "
+                         "error after the first chunk is 'data: {\"error\": ...}'."}}
     return {200: {"model": response, "description": description, "content": {"text/event-stream": stream}},
             **_GENERATION_ERRORS}
 

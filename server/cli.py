@@ -7,7 +7,8 @@ Every ``EngineArgs`` and ``ServerArgs`` field is both a flag (``--max-model-len`
 and a key of the YAML file (``max_model_len:``); flags and help are generated
 from the dataclass fields and their metadata (help, unit, choices). Precedence,
 highest first: flags, the YAML file, ``PAGEDSERVE_API_KEY`` (for ``api_key``),
-the dataclass defaults.
+the dataclass defaults. ``--num-replicas N`` (above 1) runs N engines on Ray Serve instead, behind one
+address, with the other ``ReplicaSettings`` flags (``server.replicas``, docs/replicas.md).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from server.app import ServerArgs, build_app
 from server.config_table import SETTINGS_CLASSES, shown_default
 from server.connections import GuardedH11Protocol
 from server.logging_config import log_config
+from server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 #: After the drain timeout, how long the requests still running have to send their error and close.
@@ -78,14 +80,20 @@ def _flag_options(hint: Any, f: dataclasses.Field) -> dict[str, Any]:
     return {"type": kind, "metavar": (f.metadata.get("unit") or f.name).upper()}
 
 
+def _add_flags(group: argparse._ArgumentGroup, cls: type) -> None:
+    """A flag for each field of the dataclass ``cls``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        # SUPPRESS leaves unset flags out of the namespace, so the YAML file can fill them.
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
+                           help=_flag_help(f), **_flag_options(hints[f.name], f))
+
+
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for title, cls in zip(("engine", "server"), SETTINGS_CLASSES, strict=True):
-        group = parser.add_argument_group(f"{title} settings (also YAML keys)")
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            # SUPPRESS leaves unset flags out of the namespace, so the YAML file can fill them.
-            group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS,
-                               help=_flag_help(f), **_flag_options(hints[f.name], f))
+        _add_flags(parser.add_argument_group(f"{title} settings (also YAML keys)"), cls)
+    _add_flags(parser.add_argument_group("replica settings (Ray Serve, docs/replicas.md; flags only)"),
+               ReplicaSettings)
 
 
 def _accepts(kind: Any, value: Any) -> bool:
@@ -254,10 +262,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     serving are not caught here."""
     try:
         engine_args, server_args = resolve_settings(args)
+        replicas = ReplicaSettings(**{name: value for name, value in vars(args).items() if name in REPLICA_FIELDS})
     except (ValueError, OSError) as err:
         return _startup_failed(err)
     logging.config.dictConfig(log_config(server_args.log_format))
     try:
+        if replicas.num_replicas > 1:
+            from server.replicas.launch import serve_replicas  # imports ray: the ray extra
+
+            return serve_replicas(engine_args, server_args, replicas)
         return serve(engine_args, server_args)
     except StartupError as err:
         return _startup_failed(err)

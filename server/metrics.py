@@ -23,7 +23,7 @@ router = APIRouter()
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    """The ``pagedserve:*`` metrics in Prometheus' text format."""
+    """The ``pagedserve:*`` metrics, and vLLM's names for the gateway's gauges, in Prometheus' text format."""
     registry = request.app.state.metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -38,7 +38,9 @@ async def _log_periodically(stat_logger: LoggingStatLogger, interval_s: float) -
 async def engine_stats(app: FastAPI, engine: AsyncLLM, log_stats_interval_s: float) -> AsyncIterator[None]:
     """While inside: ``engine``'s stats feed ``app``'s /metrics and, when ``log_stats_interval_s`` > 0
     (seconds), a stats log line every that many seconds while the engine is busy."""
-    app.state.metrics = PrometheusStatLogger(engine.model_name, engine.max_model_len)
+    cache_config = engine.engine_core.config.cache_config  # num_blocks is measured by now
+    app.state.metrics = PrometheusStatLogger(engine.model_name, engine.max_model_len, cache_config.block_size,
+                                             cache_config.num_blocks)
     stat_loggers: list[StatLogger] = [app.state.metrics]
     log_task = None
     if log_stats_interval_s > 0:

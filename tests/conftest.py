@@ -41,6 +41,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineArgs
 from server.app import ServerArgs, build_app
+from server.connections import GuardedH11Protocol
 
 #: Small enough to start fast on a shared 2-core machine.
 TEST_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": "256MiB"}
@@ -75,7 +76,9 @@ class ServerLoop:
         Raises:
             RuntimeError: when the server stops or times out before it starts.
         """
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        # The protocol `pagedserve serve` uses: uvicorn's default picks httptools when installed (ray brings it).
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                               http=GuardedH11Protocol))
         done = asyncio.run_coroutine_threadsafe(server.serve(), self.loop)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not server.started:

@@ -34,8 +34,8 @@ def embedded_gguf_path() -> Path:
     return Path(folder) / EMBEDDED_GGUF_FILE
 
 
-def tiny_hf_model(model_type: str, folder: Path, *, tie_word_embeddings: bool, seed: int = 0
-                  ) -> PreTrainedModel:
+def tiny_hf_model(model_type: str, folder: Path, *, tie_word_embeddings: bool, seed: int = 0,
+                  **overrides: object) -> PreTrainedModel:
     """Build a tiny random-weight transformers model and ``save_pretrained`` it (safetensors) to ``folder``.
 
     hidden 64, 2 layers, 4 query heads, 2 KV heads, vocab 256. Every parameter,
@@ -47,15 +47,16 @@ def tiny_hf_model(model_type: str, folder: Path, *, tie_word_embeddings: bool, s
         folder: where the checkpoint is written.
         tie_word_embeddings: share the embedding with the output head.
         seed: seed of the weights.
+        overrides: config values that replace the sizes above (e.g. ``num_key_value_heads=1``).
 
     Returns:
         The float32 transformers model, in eval mode, as the reference.
     """
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     config = AutoConfig.for_model(
-        model_type, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        **TINY_ARCHITECTURES[model_type])
+        model_type, tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **(sizes | TINY_ARCHITECTURES[model_type] | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

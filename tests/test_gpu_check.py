@@ -251,3 +251,16 @@ def test_an_unknown_section_is_a_usage_error_listing_the_names(capsys: pytest.Ca
         gpu_check.main(["--device", "cpu", "--sections", "a"])
     assert exit_info.value.code == 2
     assert "choose from greedy_parity,attention_kernels,throughput,decode_steps" in capsys.readouterr().err
+
+
+def test_tensor_parallel_goal_says_why_it_was_not_measured_on_one_device() -> None:
+    from benchmarks.gpu import tensor_parallel
+
+    skipped = {"status": "ok", "data": {"runs": []}, "notes": ["skipped: 1 CUDA device lent, size 2 needs two"]}
+    assert tensor_parallel.goals(skipped) == [
+        "Tensor parallel size 2: not measured (skipped: 1 CUDA device lent, size 2 needs two)"]
+    measured = {"status": "ok", "data": {"runs": [
+        {"dtype": "float32", "identical": 5, "prompts": 5, "verdict": "pass"},
+        {"dtype": "bfloat16", "identical": 3, "prompts": 5, "verdict": "near-ties?"}]}}
+    assert tensor_parallel.goals(measured) == [
+        "Tensor parallel size 2: fp32 pass; float32 5/5 identical, bfloat16 3/5 identical"]

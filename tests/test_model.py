@@ -226,9 +226,15 @@ def test_resolve_dtype() -> None:
         resolve_dtype("int8", torch.device("cpu"))
 
 
-def test_gguf_cache_folder_holds_the_same_model(smollm2, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def fresh_cache_dir(tmp_path_factory) -> str:
+    """A cache folder of the module's own: the cache tests below share one conversion (~20 s) of the GGUF."""
+    return str(tmp_path_factory.mktemp("gguf-cache"))
+
+
+def test_gguf_cache_folder_holds_the_same_model(smollm2, fresh_cache_dir, monkeypatch):
     """The HF folder converted from the GGUF gives the same weights, config and tokenizer."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", fresh_cache_dir)
     ours = smollm2[0]
     gguf = resolve_model_path(None)
     cached = gguf_cache_folder(gguf)
@@ -248,10 +254,10 @@ def test_gguf_cache_folder_holds_the_same_model(smollm2, tmp_path, monkeypatch):
     assert config.max_position_embeddings == load_hf_config(gguf).max_position_embeddings
 
 
-def test_gguf_cache_is_keyed_by_content_not_by_file_times(tmp_path, monkeypatch):
+def test_gguf_cache_is_keyed_by_content_not_by_file_times(fresh_cache_dir, tmp_path, monkeypatch):
     """A copy of the GGUF with other timestamps (a pulled image layer, another venv) finds the same
     conversion."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", fresh_cache_dir)
     gguf = resolve_model_path(None)
     first = gguf_cache_folder(gguf)
     copy = tmp_path / "elsewhere" / gguf.gguf_file

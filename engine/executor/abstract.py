@@ -28,6 +28,15 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        """The executor ``config`` needs: one in-process worker, or one process per tensor-parallel rank."""
+        if config.args.tensor_parallel_size > 1:
+            from engine.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        from engine.executor.uniproc import UniProcExecutor
+        return UniProcExecutor
+
     @abstractmethod
     def determine_available_memory(self) -> int:
         """Bytes each worker can give its KV cache (the smallest over the workers)."""

@@ -4,6 +4,12 @@ Gauges describe the engine after its latest step; counters and histograms add
 up the ``IterationStats`` recorded since this logger was created. Each logger
 has its own ``CollectorRegistry``, so several can live in one process (tests,
 several apps on one engine).
+
+The gauges that the Gateway API Inference Extension's endpoint pickers read to
+route requests (GIE's model-server protocol; llm-d's scheduler is built on it)
+are also exported under vLLM's names (``GATEWAY_ALIASES``), with the same value
+and labels, so that a gateway configured for vLLM routes to pagedserve unchanged
+(docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,20 @@ REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
+#: Our gauge -> the vLLM names it is exported under too: the defaults of the GIE endpoint picker's
+#: --total-queued-requests-metric, --total-running-requests-metric, --kv-cache-usage-percentage-metric and
+#: --cache-info-metric. The KV cache usage has two, because the picker's default followed vLLM's rename
+#: (vLLM PRs 18354, 29330: gpu_cache_usage_perc deprecated, then removed): gpu_cache_usage_perc up to GIE v1.2,
+#: kv_cache_usage_perc from v1.3; with both, pickers of either age read it without a flag.
+#: vllm:lora_requests_info (--lora-info-metric) is left out: pagedserve serves no LoRA adapters, and
+#: vLLM too omits it when LoRA is off, which pickers tolerate (docs/kubernetes.md, "Metrics for gateways").
+GATEWAY_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "num_requests_running": ("vllm:num_requests_running",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "cache_config_info": ("vllm:cache_config_info",),
+}
+
 
 def buckets_1_2_5(max_value: int) -> list[int]:
     """``[1, 2, 5, 10, 20, 50, ...]`` up to ``max_value`` (token-count buckets)."""
@@ -38,15 +58,31 @@ def buckets_1_2_5(max_value: int) -> list[int]:
         scale *= 10
 
 
+class _AliasedGauge:
+    """One gauge value kept under several names (``GATEWAY_ALIASES``): ``set`` sets them all, so that
+    every scrape reads the same value under each name (records and scrapes both run on the event loop)."""
+
+    def __init__(self, children: list[Any]) -> None:
+        self._children = children
+
+    def set(self, value: float) -> None:
+        for child in self._children:
+            child.set(value)
+
+
 class PrometheusStatLogger:
-    """Keeps the ``pagedserve:*`` metrics in ``self.registry``.
+    """Keeps the ``pagedserve:*`` metrics, and vLLM's names for the gateway's gauges, in ``self.registry``.
 
     Args:
         model_name: the value of every metric's ``model_name`` label.
         max_model_len: the longest sequence in tokens (top of the token-count buckets).
+        block_size: tokens per KV cache block, and
+        num_gpu_blocks: blocks in the KV cache: the labels of ``cache_config_info`` (vLLM's label names,
+            which the endpoint picker's prefix-cache scorer reads), left out when either is None.
     """
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, block_size: int | None = None,
+                 num_gpu_blocks: int | None = None) -> None:
         self.registry = CollectorRegistry()
         token_buckets = buckets_1_2_5(max_model_len)
 
@@ -54,10 +90,20 @@ class PrometheusStatLogger:
             return kind(PREFIX + name, documentation, ["model_name"], registry=self.registry,
                         **options).labels(model_name)
 
-        self.num_requests_running = metric(Gauge, "num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = metric(Gauge, "kv_cache_usage_perc",
-                                          "Fraction of KV cache blocks in use (0 to 1).")
+        def gauge(name: str, documentation: str, **labels: str) -> _AliasedGauge:
+            """``pagedserve:<name>`` and its ``GATEWAY_ALIASES``, labelled alike."""
+            names = [PREFIX + name, *GATEWAY_ALIASES.get(name, ())]
+            return _AliasedGauge([
+                Gauge(full_name, documentation, ["model_name", *labels], registry=self.registry)
+                .labels(model_name, *labels.values()) for full_name in names])
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        if block_size is not None and num_gpu_blocks is not None:
+            # An info gauge (always 1) as vLLM has it; the value is in the labels.
+            gauge("cache_config_info", "KV cache configuration (in the labels).", block_size=str(block_size),
+                  num_gpu_blocks=str(num_gpu_blocks)).set(1)
         self.prompt_tokens = metric(Counter, "prompt_tokens_total",
                                     "Prompt tokens of requests that produced their first token.")
         self.generation_tokens = metric(Counter, "generation_tokens_total", "Output tokens generated.")

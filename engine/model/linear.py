@@ -151,13 +151,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False, *, linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         self.head_dim = head_dim
-        self.num_heads = tp.divide(total_num_heads, "num_attention_heads")
-        if tp.size >= total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.num_kv_head_replicas = _kv_head_replicas(tp.size, total_num_kv_heads)
-        else:
-            self.num_kv_heads = tp.divide(total_num_kv_heads, "num_key_value_heads")
-            self.num_kv_head_replicas = 1
+        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = split_heads(
+            total_num_heads, total_num_kv_heads, tp)
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_dim, bias,
                          linear_method=linear_method, tp=tp)
 
@@ -177,12 +172,20 @@ class QKVParallelLinear(ColumnParallelLinear):
             copy_shard(target, loaded, 0, self.tp.rank // replicas, self.tp.size // replicas)
 
 
-def _kv_head_replicas(size: int, num_kv_heads: int) -> int:
-    """Ranks holding each KV head when there are no more KV heads than ranks."""
-    if size % num_kv_heads:
-        raise ValueError(f"the tensor-parallel size ({size}) is not a multiple of num_key_value_heads "
-                         f"({num_kv_heads})")
-    return size // num_kv_heads
+def split_heads(total_num_heads: int, total_num_kv_heads: int, tp: TensorParallel) -> tuple[int, int, int]:
+    """``(query heads, KV heads, ranks holding each KV head)`` on each rank (see ``QKVParallelLinear``).
+
+    Raises:
+        ValueError: query heads that do not split over the ranks, or KV heads that neither split over
+            them nor divide their number.
+    """
+    num_heads = tp.divide(total_num_heads, "num_attention_heads")
+    if tp.size < total_num_kv_heads:
+        return num_heads, tp.divide(total_num_kv_heads, "num_key_value_heads"), 1
+    if tp.size % total_num_kv_heads:
+        raise ValueError(f"the tensor-parallel size ({tp.size}) is not a multiple of num_key_value_heads "
+                         f"({total_num_kv_heads})")
+    return num_heads, 1, tp.size // total_num_kv_heads
 
 
 class RowParallelLinear(LinearBase):

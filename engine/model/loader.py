@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import cache_dir
+from engine.model.linear import split_heads
 from engine.model.linear_methods import LinearMethodBase, UnquantizedLinearMethod, linear_method_for
 from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM, model_class
@@ -148,7 +149,7 @@ def _convert_gguf(source: ModelSource, folder: str) -> None:
     logger.info("converting %s to an HF folder once (cached in %s)", source.gguf_file, folder)
     config, tokenizer = load_hf_config(source), load_tokenizer(source)
     with torch.device("meta"):
-        names = _build(config, "torch", 16, UnquantizedLinearMethod()).checkpoint_weight_names()
+        names = _build(config, "torch", 16, UnquantizedLinearMethod(), TensorParallel()).checkpoint_weight_names()
     weights = dict(tqdm(_gguf_weights(os.path.join(source.path, source.gguf_file), config, names),
                         total=len(names), desc=f"Dequantizing {source.gguf_file}", disable=None))
     os.makedirs(os.path.dirname(folder), exist_ok=True)
@@ -191,7 +192,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               attn_backend: str = "torch", block_size: int = 16) -> CausalLM:
+               attn_backend: str = "torch", block_size: int = 16, tp: TensorParallel | None = None
+               ) -> CausalLM:
     """Build the model for ``hf_config`` on ``device`` in ``dtype`` and load its weights.
 
     The linear layers' method is chosen here, once (``linear_method_for``:
@@ -205,6 +207,8 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
         device: where parameters live.
         attn_backend: name of a registered attention backend.
         block_size: tokens per KV cache block (the attention backend plans for it).
+        tp: this process's tensor-parallel rank: the model keeps its slice of every split weight;
+            None = the whole model (size 1).
 
     Raises:
         ValueError: for an unsupported architecture (the message lists the
@@ -213,7 +217,7 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
     """
     start = time.perf_counter()
     with _default_dtype(dtype), torch.device(device):
-        model = _build(hf_config, attn_backend, block_size, linear_method_for(device, dtype))
+        model = _build(hf_config, attn_backend, block_size, linear_method_for(device, dtype), tp or TensorParallel())
     expected = model.checkpoint_weight_names()
     if source.gguf_file is not None:
         weights = _gguf_weights(os.path.join(source.path, source.gguf_file), hf_config, expected)
@@ -229,11 +233,27 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
     return model
 
 
+def check_tensor_parallel_split(hf_config: PretrainedConfig, size: int) -> None:
+    """Fail as a rank would when ``hf_config``'s heads or MLP do not split over ``size`` ranks, before any
+    rank starts (the rules of ``QKVParallelLinear`` and ``MergedColumnParallelLinear``).
+
+    Raises:
+        ValueError: naming the dimension that does not split (e.g. ``num_attention_heads (9) is not
+            divisible by the tensor-parallel size (2)``).
+    """
+    tp = TensorParallel(0, size)
+    num_heads = hf_config.num_attention_heads
+    split_heads(num_heads, getattr(hf_config, "num_key_value_heads", None) or num_heads, tp)
+    intermediate_size = getattr(hf_config, "intermediate_size", None)
+    if intermediate_size is not None:  # no MLP size: the architecture check refuses the model later
+        tp.divide(intermediate_size, "intermediate_size")
+
+
 def _build(hf_config: PretrainedConfig, attn_backend: str, block_size: int,
-           linear_method: LinearMethodBase) -> CausalLM:
-    """The uninitialised model of ``hf_config``'s architecture, as this single process (tensor-parallel size 1)."""
+           linear_method: LinearMethodBase, tp: TensorParallel) -> CausalLM:
+    """The uninitialised model of ``hf_config``'s architecture: rank ``tp.rank``'s slice of it."""
     return model_class(hf_config)(hf_config, attn_backend=attn_backend, block_size=block_size,
-                                  linear_method=linear_method, tp=TensorParallel())
+                                  linear_method=linear_method, tp=tp)
 
 
 def _process_weights_after_loading(model: CausalLM) -> None:

@@ -5,9 +5,9 @@ out: a column-parallel layer holds a slice of the output features and needs no
 communication; a row-parallel layer holds a slice of the input features and
 sums its partial output over the group (all-reduce). Every layer is built with
 a ``TensorParallel`` and takes its own slice of each checkpoint tensor when
-loading. pagedserve runs one process today (size 1), where both collectives
-return their input; larger sizes need ``torch.distributed`` initialised with
-one process per rank, as the group.
+loading. At size 1 both collectives return their input; larger sizes run one
+process per rank (``engine/executor/multiproc.py``), each in the
+``torch.distributed`` group the worker joins.
 """
 
 from __future__ import annotations

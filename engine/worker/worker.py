@@ -4,20 +4,26 @@ The executor drives it in this order: ``init_device`` -> ``load_model`` ->
 ``determine_available_memory`` / ``kv_cache_bytes_per_block`` (the engine core
 turns them into a block count) -> ``initialize_kv_cache`` -> per step
 ``execute_model`` then ``sample_tokens``. A tensor-parallel executor runs one
-worker per rank with the same calls.
+worker per rank, each in its own process, with the same calls: every rank
+computes the same logits (the LM head is gathered) and samples the same
+tokens (the same seed, the same ops in the same order), so each keeps its own
+persistent batch in step without the ranks exchanging tokens.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.model.attention import AttentionMetadata, check_attention_backend
 from engine.model.loader import ModelSource, load_model, resolve_dtype
+from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM
 from engine.outputs import ModelRunnerOutput
 from engine.worker.block_table import slot_mapping
@@ -54,10 +60,15 @@ class Worker:
 
     Args:
         config: the engine's resolved configuration.
+        rank: this worker's tensor-parallel rank, in ``[0, tensor_parallel_size)``.
+        distributed_init_method: the ``torch.distributed`` rendezvous (``file://...`` or
+            ``tcp://host:port``) shared by the ranks; needed when ``tensor_parallel_size > 1``.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
+        self.tp = TensorParallel(rank, config.args.tensor_parallel_size)
+        self.distributed_init_method = distributed_init_method
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.attention_backend: str | None = None
@@ -65,16 +76,34 @@ class Worker:
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        """Pick the device, the dtype and the attention backend; on CPU, size torch's threads to the cgroup.
+        """Pick the device, the dtype and the attention backend; on CPU, size torch's threads to the cgroup
+        (shared evenly by the ranks); with several ranks, join their process group.
 
         Raises:
-            ValueError: no CUDA device when one is asked for; an unknown dtype; an attention backend
-                that does not run on the device.
+            ValueError: no CUDA device when one is asked for, or fewer than the ranks; an unknown dtype;
+                an attention backend that does not run on the device.
         """
         args = self.config.args
         self.device = resolve_device(args.device)
         if self.device.type == "cpu":
-            limit_threads_to_cpu_quota()
+            threads = limit_threads_to_cpu_quota()
+            if self.tp.size > 1 and "OMP_NUM_THREADS" not in os.environ:
+                # The ranks run at once: more threads than cores would make every barrier wait.
+                torch.set_num_threads(max(1, threads // self.tp.size))
+                logger.info("rank %d of %d: %d torch threads", self.tp.rank, self.tp.size,
+                            torch.get_num_threads())
+        elif self.tp.size > 1:
+            if torch.cuda.device_count() < self.tp.size:
+                raise ValueError(f"tensor_parallel_size {self.tp.size} needs as many CUDA devices; torch sees "
+                                 f"{torch.cuda.device_count()}")
+            self.device = torch.device("cuda", self.tp.rank)
+            torch.cuda.set_device(self.device)
+        if self.tp.size > 1:
+            cuda = self.device.type == "cuda"
+            # device_id binds NCCL's communicator to this rank's device and creates it now, not mid-step.
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=self.distributed_init_method,
+                                    rank=self.tp.rank, world_size=self.tp.size,
+                                    device_id=self.device if cuda else None)
         self.dtype = resolve_dtype(args.dtype, self.device)
         backend = args.attention_backend
         if backend == "auto":
@@ -86,7 +115,8 @@ class Worker:
         model_config = self.config.model_config
         source = ModelSource(model_config.path, None, model_config.served_model_name)
         self.model = load_model(source, model_config.hf_config, self.dtype, self.device,
-                                attn_backend=self.attention_backend, block_size=self.config.cache_config.block_size)
+                                attn_backend=self.attention_backend, block_size=self.config.cache_config.block_size,
+                                tp=self.tp)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
@@ -95,13 +125,14 @@ class Worker:
                                         model.head_dim, self.dtype)
 
     def determine_available_memory(self) -> int:
-        """Bytes the KV cache may take: ``kv_cache_memory_bytes``; on CUDA what ``gpu_memory_utilization``
-        leaves after the weights and the largest step's activations; on CPU ``default_cpu_kv_cache_bytes``."""
+        """Bytes this rank's KV cache may take: ``kv_cache_memory_bytes``; on CUDA what
+        ``gpu_memory_utilization`` leaves after the weights and the largest step's activations; on CPU
+        ``default_cpu_kv_cache_bytes`` shared by the ranks (they share the host's memory)."""
         args = self.config.args
         if args.kv_cache_memory_bytes is not None:
             return args.kv_cache_memory_bytes
         if self.device.type != "cuda":
-            return default_cpu_kv_cache_bytes()
+            return default_cpu_kv_cache_bytes() // self.tp.size
         torch.cuda.reset_peak_memory_stats(self.device)
         scheduler_config = self.config.scheduler_config
         profile_forward(self.model, scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs,
@@ -122,6 +153,11 @@ class Worker:
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        """Leave the process group (a no-op for a single rank)."""
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @torch.inference_mode()
