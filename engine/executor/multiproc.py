@@ -279,11 +279,13 @@ def _run_worker(config: EngineConfig, rank: int, init_method: str, pipe: Connect
     from engine.worker.worker import Worker  # torch loads in the child only
 
     worker = None
+    ready = False
     try:
         worker = Worker(config, rank, init_method)
         worker.init_device()
         worker.load_model()
         pipe.send(("ok", "ready"))
+        ready = True
         while True:
             method, args = pickle.loads(pipe.recv_bytes())
             if method == "shutdown":
@@ -293,7 +295,8 @@ def _run_worker(config: EngineConfig, rank: int, init_method: str, pipe: Connect
     except (EOFError, ConnectionError):
         return
     except BaseException as exc:  # noqa: BLE001 - whatever stops this rank must reach the engine
-        logger.exception("tensor-parallel rank %d failed", rank)
+        if ready or not isinstance(exc, ValueError | OSError):  # a start-up setting error: the engine says it
+            logger.exception("tensor-parallel rank %d failed", rank)
         with contextlib.suppress(Exception):
             try:
                 pipe.send(("error", (exc, traceback.format_exc())))

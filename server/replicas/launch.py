@@ -52,14 +52,20 @@ def serve_replicas(engine_args: EngineArgs, server_args: ServerArgs, settings: R
 
         from server.replicas.deployment import APP_NAME, build_application
     except ImportError as err:
-        raise StartupError(f"--num-replicas needs Ray Serve ({err}): pip install 'pagedserve[ray]'") from err
+        raise StartupError(f"--num-replicas needs Ray Serve ({err}): install the ray extra, e.g. "
+                           "`.venv/bin/pip install -e \".[ray]\"` in the repository") from err
     _bind(server_args.host, server_args.port).close()  # a port in use fails now, not in Ray's proxy
     try:
         # A bad model fails now, with its reason; and a GGUF is converted once, not by each replica at once.
         ModelConfig.from_args(engine_args)
     except (ValueError, OSError) as err:
         raise StartupError(str(err)) from err
-    ray.init()
+    try:
+        ray.init()
+    except KeyboardInterrupt:  # Ctrl-C while the cluster starts: stop what it started, as after it
+        logger.info("interrupted: stopping the Ray cluster")
+        ray.shutdown()
+        return 0
     # After ray.init, which installs its own SIGTERM handler (an exit without cleaning up); raising here
     # also interrupts a deployment still starting.
     for signum in (signal.SIGINT, signal.SIGTERM):
