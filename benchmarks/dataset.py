@@ -1,9 +1,13 @@
-"""Synthetic prompts: random token ids detokenized, reproducible from a seed.
+"""Benchmark prompts, reproducible from a seed: random token ids detokenized, or grounded passages.
 
-Every benchmark draws its prompts from here so that all servers see exactly
-the same text. Request ``i`` depends only on ``(seed, i)``, so the first N
-prompts are identical whether 8 or 128 are drawn: a server run with a prompt
-cap gets a prefix of the others' dataset.
+Grounded prompts (``grounded_requests``) hold a passage of real text, Python's
+own reference manual as the standard library ships it (``pydoc_data.topics``),
+and ask for it back: the output copies long runs of the prompt, the case
+prompt-lookup (n-gram) speculative decoding is for. Every benchmark draws its
+prompts from here so that all servers see exactly the same text. Request ``i``
+depends only on ``(seed, i)``, so the first N prompts are identical whether 8
+or 128 are drawn: a server run with a prompt cap gets a prefix of the others'
+dataset.
 """
 
 from __future__ import annotations
@@ -98,4 +102,37 @@ def sample_requests(tokenizer: Tokenizer, num_prompts: int, input_len: tuple[int
         num_output = int(rng.integers(output_len[0], output_len[1] + 1))
         prompt, prompt_len = _prompt_of_length(tokenizer, rng, vocab, num_input)
         requests.append(SyntheticRequest(prompt, prompt_len, num_output))
+    return requests
+
+
+GROUNDED_INSTRUCTION = "\n\nRepeat the text above exactly, word for word.\n\n"
+
+
+def grounded_requests(tokenizer: Tokenizer, num_prompts: int, passage_len: int, output_len: int,
+                      seed: int = 0) -> list[SyntheticRequest]:
+    """Prompts that hold a passage and ask for it to be repeated (a completion, no chat template).
+
+    Request ``i`` takes ``passage_len`` tokens from the start of a topic of
+    ``pydoc_data.topics`` (the text of ``pydoc``'s help, installed with every
+    CPython) drawn with ``numpy.random.default_rng([seed, i])`` among the topics
+    at least that long, then ``GROUNDED_INSTRUCTION`` and the passage's first
+    line, so that the output continues copying from there.
+
+    Raises:
+        ValueError: when no topic has ``passage_len`` tokens.
+    """
+    from pydoc_data.topics import topics
+
+    texts = [topics[name] for name in sorted(topics)]
+    encoded = [ids for ids in (tokenizer.encode(text, add_special_tokens=False) for text in texts)
+               if len(ids) >= passage_len]
+    if not encoded:
+        raise ValueError(f"no pydoc topic has {passage_len} tokens")
+    requests = []
+    for index in range(num_prompts):
+        rng = np.random.default_rng([seed, index])
+        passage = tokenizer.decode(encoded[int(rng.integers(len(encoded)))][:passage_len])
+        prompt = passage + GROUNDED_INSTRUCTION + passage.splitlines()[0]
+        requests.append(SyntheticRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=False)),
+                                         output_len))
     return requests

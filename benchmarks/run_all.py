@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
+from benchmarks.dataset import SyntheticRequest, Tokenizer, grounded_requests, sample_requests
 from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
 from benchmarks.roofline import (
     DTYPES,
@@ -81,7 +81,24 @@ SCENARIOS = {s.name: s for s in (
     Scenario("P1", "prefill-heavy", (64, 512), 128, 1, 8, seed=1),
     Scenario("P16", "prefill-heavy", (64, 512), 128, 16, 64, seed=2),
     Scenario("D64", "decode-heavy", (16, 64), 256, 64, 128, seed=3),
+    # Time to answer one long prompt: the request's latency, prefill nearly all of it.
+    Scenario("L2k", "long-prompt", (2000, 2000), 1, 1, 2, seed=4),
+    Scenario("L8k", "long-prompt", (8000, 8000), 1, 1, 2, seed=5),
+    # The output copies a passage of the prompt (benchmarks.dataset.grounded_requests): n-gram speculation's case.
+    Scenario("G1", "grounded", (384, 384), 128, 1, 8, seed=6),
+    Scenario("G16", "grounded", (384, 384), 128, 16, 32, seed=7),
 )}
+#: What the servers named ``*-ngram`` add: prompt-lookup speculative decoding (vLLM's JSON shape).
+NGRAM_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+
+
+def scenario_requests(scenario: Scenario, tokenizer: Tokenizer) -> list[SyntheticRequest]:
+    """The prompts of ``scenario``: grounded passages for the grounded kind, random text for the others."""
+    if scenario.kind == "grounded":
+        return grounded_requests(tokenizer, scenario.num_prompts, scenario.input_len[0], scenario.output_len,
+                                 scenario.seed)
+    return sample_requests(tokenizer, scenario.num_prompts, scenario.input_len,
+                           (scenario.output_len, scenario.output_len), scenario.seed)
 
 
 def llama_server_binary() -> str | None:
@@ -124,6 +141,11 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
     specs = [
         ServerSpec("pagedserve", pagedserve("float32"), missing=lambda: None, weight_dtype="float32"),
         ServerSpec("pagedserve-bf16", pagedserve("bfloat16"), missing=lambda: None, weight_dtype="bfloat16"),
+        # The GGUF's Q4_1/Q8_0 blocks multiplied as they are (engine.model.quant_kernels), as llama.cpp does.
+        ServerSpec("pagedserve-gguf", pagedserve("float32", "--quantization", "gguf"), missing=lambda: None,
+                   weight_dtype=None),
+        ServerSpec("pagedserve-gguf-ngram", pagedserve("float32", "--quantization", "gguf", "--speculative-config",
+                                                       NGRAM_CONFIG), missing=lambda: None, weight_dtype=None),
         # The dashboard's step records off: their cost is the ratio to pagedserve-bf16 in one run.
         ServerSpec("pagedserve-bf16-no-records", pagedserve("bfloat16", "--step-record-buffer-size", "0"),
                    missing=lambda: None, weight_dtype="bfloat16"),
@@ -214,10 +236,38 @@ def run_scenario(server: ServerProcess, spec: ServerSpec, scenario: Scenario,
                            show_progress=False)
     warmup = sample_requests(tokenizer, 1, (32, 32), (4, 4), seed=WARMUP_SEED)
     asyncio.run(benchmark(warmup, options, tokenizer))
+    before = spec_decode_counts(server.base_url)
     metrics, results = asyncio.run(benchmark(requests, replace(options, show_progress=True), tokenizer))
+    after = spec_decode_counts(server.base_url)
     config = {"server": spec.name, "scenario": scenario.name, "num_prompts": len(requests),
               "max_concurrency": scenario.concurrency, "command": server.command}
-    return result_record(metrics, results, config)
+    record = result_record(metrics, results, config)
+    if before and after and (drafted := after["draft_tokens"] - before["draft_tokens"]) > 0:
+        record["spec_decode_acceptance_rate"] = (after["accepted_tokens"] - before["accepted_tokens"]) / drafted
+    return record
+
+
+#: vLLM's speculative-decoding counters, as ``/metrics`` exposes them.
+SPEC_DECODE_COUNTERS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+                        "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
+
+def spec_decode_counts(base_url: str) -> dict[str, float] | None:
+    """The server's draft and accepted token counters, summed over labels; None when it has no such metrics."""
+    try:
+        response = httpx.get(base_url + "/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    counts = dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0)
+    found = False
+    for line in response.text.splitlines():
+        for key, name in SPEC_DECODE_COUNTERS.items():
+            if line.startswith(name) and line[len(name)] in " {":
+                counts[key] += float(line.rsplit(" ", 1)[1])
+                found = True
+    return counts if found else None
 
 
 def add_derived_metrics(run: dict[str, Any], spec: ServerSpec, weights: WeightStats,
@@ -245,6 +295,7 @@ def _row(run: dict[str, Any]) -> str:
         f"{run['mean_tpot_ms']:.1f} / {run['p50_tpot_ms']:.1f}", f"{run['p50_itl_ms']:.1f}",
         f"{run['p50_e2el_ms']:.0f} / {run['p99_e2el_ms']:.0f}", f"{100 * run['mfu']:.2f}",
         f"{bound:.2f}" if bound is not None else "–",
+        f"{100 * rate:.0f}" if (rate := run.get("spec_decode_acceptance_rate")) is not None else "–",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -275,14 +326,16 @@ def markdown_report(report: dict[str, Any]) -> str:
         "Scenarios:", *[f"- {line}" for line in report["scenarios"]], "",
         "| server | scenario | prompts | ok/failed | duration s | req/s | out tok/s | total tok/s "
         "| mean out len | TTFT p50/p99 ms | TPOT mean/p50 ms | ITL p50 ms | E2E p50/p99 ms | MFU % "
-        "| BW bound ms/tok |",
-        "|" + "---|" * 15,
+        "| BW bound ms/tok | draft acceptance % |",
+        "|" + "---|" * 16,
         *[_row(run) for run in report["runs"]],
         "",
         "MFU = (prompt tokens × 2 × non-embedding params + output tokens × 2 × all params) / duration "
         "/ peak matmul FLOP/s in the server's compute dtype (bf16 peak for pagedserve-bf16, fp32 for the "
         "rest; llama.cpp computes in its quantized kernels, so its MFU is against the fp32 peak). "
         "BW bound = weight bytes a decode step reads / copy bandwidth (concurrency 1 only); compare with TPOT. "
+        "Draft acceptance = accepted / drafted tokens over the run (speculative decoding, the *-ngram servers). "
+        "A long-prompt scenario's time to answer is its E2E latency. "
         "A mean output length under the scenario's means the server stopped "
         "at EOS. The load generator shares the CPU with the server.",
     ]
@@ -373,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = [replace(s, num_prompts=args.num_prompts) for s in scenarios]
     weights = gguf_weight_stats(gguf)
     tokenizer = load_tokenizer(str(gguf))
-    datasets = {s.name: sample_requests(tokenizer, s.num_prompts, s.input_len,
-                                        (s.output_len, s.output_len), s.seed) for s in scenarios}
+    datasets = {s.name: scenario_requests(s, tokenizer) for s in scenarios}
     roofline = measure_roofline(args.roofline_time)
     print(format_roofline(roofline), flush=True)
 

@@ -12,8 +12,10 @@ This module imports no torch: the scheduler side imports it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +65,10 @@ class EngineArgs:
     dtype: str = _arg(
         "auto", "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "bfloat16", "float16"))
+    quantization: str | None = _arg(
+        None, "Weight quantization: gguf = keep a GGUF model's Q4_0/Q4_1/Q8_0 blocks as stored; int8 = int8 per "
+        "output channel, int4 = 4-bit groups of 32, both made at load from any model (LM head left in dtype); "
+        "empty = the weights in dtype", choices=(None, "gguf", "int8", "int4"))
     device: str = _arg("auto", "Where the model runs; auto = CUDA when available",
                        choices=("auto", "cpu", "cuda"))
     seed: int = _arg(0, "Seed for the random sampling of requests that set no seed")
@@ -98,6 +104,10 @@ class EngineArgs:
         1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
     step_record_buffer_size: int = _arg(
         2048, "Step records kept for the dashboard (/dashboard, /v1/dashboard/*); 0 = no records", "steps")
+    speculative_config: dict | str | None = _arg(
+        None, "Speculative decoding as a JSON object (a mapping in YAML) with vLLM's keys: method (ngram = "
+        "prompt lookup), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (default 5 each), "
+        "disable_by_batch_size; empty = off")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -127,6 +137,69 @@ class EngineArgs:
                              f"got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+        if isinstance(self.speculative_config, str):
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"speculative_config is not valid JSON: {err}") from err
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
+
+
+#: ``speculative_config`` methods: ngram = prompt lookup (``engine.core.ngram_proposer``).
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, resolved from ``EngineArgs.speculative_config`` (vLLM's keys and defaults).
+
+    Attributes:
+        method: where drafts come from: ``ngram`` (prompt lookup).
+        num_speculative_tokens: most draft tokens per request per step (k).
+        prompt_lookup_min, prompt_lookup_max: shortest and longest n-gram matched, in tokens.
+        disable_by_batch_size: no drafts in a step with at least this many running requests; None = no limit.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, value: object) -> SpeculativeConfig:
+        """Resolve the JSON object; as in vLLM, a missing prompt_lookup bound equals the other one, and
+        both default to 5.
+
+        Raises:
+            ValueError: not an object, an unknown key, an unknown method, a missing num_speculative_tokens,
+                a value that is not a positive integer, or prompt_lookup_min > prompt_lookup_max; the
+                message names the field (``speculative_config.<key>``).
+        """
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(str(key) for key in value if key not in known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {', '.join(unknown)}; known keys: {', '.join(known)}")
+        if value.get("method") not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {value.get('method')!r}")
+        if value.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        for key in known[1:]:
+            item = value.get(key)
+            if item is not None and (not isinstance(item, int) or isinstance(item, bool) or item < 1):
+                raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {item!r}")
+        lookup_min = value.get("prompt_lookup_min") or value.get("prompt_lookup_max") or 5
+        lookup_max = value.get("prompt_lookup_max") or lookup_min
+        if lookup_min > lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max "
+                             f"({lookup_max})")
+        return cls(method=value["method"], num_speculative_tokens=value["num_speculative_tokens"],
+                   prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
+                   disable_by_batch_size=value.get("disable_by_batch_size"))
 
 
 @dataclass(frozen=True)
@@ -163,6 +236,10 @@ class ModelConfig:
         max_model_len: longest sequence, in tokens.
         vocab_size: rows of the logits.
         generation_defaults: ``SamplingParams`` field -> the model's default (``generation_config``).
+        quantization: ``EngineArgs.quantization``.
+        gguf_path: with ``quantization`` gguf, the GGUF file whose blocks the workers load (staged once,
+            ``engine.model.loader.gguf_block_cache``; ``path`` serves the config and tokenizer only); else
+            None, the weights are ``path``'s.
     """
 
     path: str
@@ -171,33 +248,46 @@ class ModelConfig:
     max_model_len: int
     vocab_size: int
     generation_defaults: dict[str, Any]
+    quantization: str | None = None
+    gguf_path: str | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
         """Find the model, convert a GGUF file once, read its config and generation defaults.
 
         Raises:
-            ValueError: a model that cannot be found, ``max_model_len`` beyond the model's positions, or
-                heads that do not split over ``tensor_parallel_size`` ranks.
+            ValueError: a model that cannot be found, ``max_model_len`` beyond the model's positions,
+                heads that do not split over ``tensor_parallel_size`` ranks, or a ``quantization`` the model
+                or its split cannot take.
             OSError: model files that cannot be read, a cache that cannot be written.
         """
         # Imported here: they need torch and transformers, and the scheduler side imports this module.
         from engine.generation_config import load_generation_defaults
         from engine.model.loader import (
+            check_quantization,
             check_tensor_parallel_split,
+            gguf_block_cache,
             gguf_cache_folder,
             load_hf_config,
             resolve_model_path,
         )
 
-        source = gguf_cache_folder(resolve_model_path(args.model))
+        model = resolve_model_path(args.model)
+        gguf = args.quantization == "gguf"
+        # With gguf the workers load the GGUF's blocks: the converted folder needs no dequantized weights.
+        source = gguf_cache_folder(model, with_weights=not gguf)
         hf_config = load_hf_config(source)
         if args.tensor_parallel_size > 1:
             check_tensor_parallel_split(hf_config, args.tensor_parallel_size)
+        check_quantization(hf_config, args.quantization, model, args.tensor_parallel_size)
+        if gguf:
+            gguf_block_cache(model, hf_config)  # staged once here, not by every tensor-parallel rank at once
         return cls(path=source.path, served_model_name=args.served_model_name or source.display_name,
                    hf_config=hf_config, max_model_len=_max_model_len(args.max_model_len, hf_config),
                    vocab_size=hf_config.vocab_size,
-                   generation_defaults=load_generation_defaults(source.path, args.generation_config))
+                   generation_defaults=load_generation_defaults(source.path, args.generation_config),
+                   quantization=args.quantization,
+                   gguf_path=os.path.join(model.path, model.gguf_file) if gguf else None)
 
 
 def _max_model_len(requested: int | None, hf_config: Any) -> int:
@@ -223,6 +313,7 @@ class EngineConfig:
     model_config: ModelConfig
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
+    speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> EngineConfig:
@@ -231,4 +322,6 @@ class EngineConfig:
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold),
-                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching))
+                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching),
+                   speculative_config=None if args.speculative_config is None
+                   else SpeculativeConfig.from_dict(args.speculative_config))

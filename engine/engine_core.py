@@ -20,9 +20,11 @@ import logging
 import time
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from engine.core.draft_proposer import DraftProposer
+from engine.core.ngram_proposer import NgramProposer
 from engine.core.scheduler import Scheduler, SchedulerStats
+from engine.core.spec_decode import DraftGate
 from engine.core.structured_output import StructuredOutputManager
 from engine.executor.abstract import Executor
 from engine.outputs import EngineCoreOutput
@@ -44,7 +46,8 @@ class EngineCore:
         config: the engine's resolved configuration (``EngineConfig.from_args``);
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
         executor_class: how to run the workers; None = ``Executor.get_class(config)``.
-        drafter: proposes draft tokens for speculative decoding; None = none.
+        drafter: proposes draft tokens for speculative decoding; None = the one
+            ``config.speculative_config`` describes (none when that is None).
         structured_output_manager: owns the grammars of constrained requests; None = requests with
             ``structured_outputs`` are refused.
 
@@ -65,8 +68,13 @@ class EngineCore:
             raise
         self.config = dataclasses.replace(
             config, cache_config=dataclasses.replace(config.cache_config, num_blocks=num_blocks))
+        speculative = config.speculative_config
+        if drafter is None and speculative is not None:
+            drafter = make_drafter(speculative)
+        gate = DraftGate(speculative.disable_by_batch_size if speculative else None)
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,
-                                   structured_output_manager=structured_output_manager, drafter=drafter)
+                                   structured_output_manager=structured_output_manager, drafter=drafter,
+                                   draft_gate=gate)
         self.num_steps = 0
         # Step records for the dashboard (engine/step_records.py), taken by take_step_record(); off
         # unless a reader switches them on (AsyncLLM does, with step_record_buffer_size > 0).
@@ -171,6 +179,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def make_drafter(config: SpeculativeConfig) -> DraftProposer:
+    """The drafter of ``config.method`` (``SPECULATIVE_METHODS``: ngram only)."""
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 def _check_kv_cache_holds_one_request(num_blocks: int, bytes_per_block: int, block_size: int,

@@ -4,7 +4,8 @@ It keeps its own per-request state from ``SchedulerOutput`` frames exactly as
 the real worker must (new data once, diffs after), simulates the paged KV
 cache as one token id per slot, and checks on every step that each request's
 blocks hold its tokens, which catches wrong prefix-cache hits, block lists and
-positions. Its "model" is a deterministic function of the whole sequence.
+positions. Its "model" is a deterministic function of the whole sequence; draft
+tokens are verified greedily against it (the accepted ones plus one of its own).
 """
 
 from __future__ import annotations
@@ -64,23 +65,31 @@ class FakeModelRunner:
         sampled = []
         for req_id in req_ids:
             state = self.requests[req_id]
+            drafts = so.scheduled_spec_decode_tokens.get(req_id, [])
+            tokens = state.token_ids + drafts
             start, num = state.num_computed_tokens, so.num_scheduled_tokens[req_id]
-            assert num > 0 and start + num <= len(state.token_ids)
+            assert num > 0 and start + num <= len(tokens)
             assert len(state.block_ids) * self.block_size >= start + num
             for pos in range(start, start + num):
-                self.kv[self._slot(state, pos)] = state.token_ids[pos]
+                self.kv[self._slot(state, pos)] = tokens[pos]
             state.num_computed_tokens = start + num
             # Every earlier position must be readable from the request's own blocks.
             for pos in range(start + num):
-                assert self.kv[self._slot(state, pos)] == state.token_ids[pos], (req_id, pos)
-            if state.num_computed_tokens == len(state.token_ids):
-                token = next_token(state.token_ids, self.vocab_size)
-                state.token_ids.append(token)
-                sampled.append([token])
-            else:
-                sampled.append([])
+                assert self.kv[self._slot(state, pos)] == tokens[pos], (req_id, pos)
+            sampled.append(self._verify(state, drafts) if state.num_computed_tokens == len(tokens) else [])
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled)
+
+
+    def _verify(self, state: _State, drafts: list[int]) -> list[int]:
+        """The accepted drafts and one token of the model's own, appended to the request's tokens."""
+        out = []
+        for draft in [*drafts, None]:
+            out.append(next_token(state.token_ids, self.vocab_size))
+            state.token_ids.append(out[-1])
+            if out[-1] != draft:
+                break
+        return out
 
 
 def step(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:

@@ -1,5 +1,6 @@
-"""The torch and CPU attention backends against a naive float64 reference written with plain loops; the
-backends' declared contracts (devices, CUDA graphs, metadata)."""
+"""The torch and CPU attention backends and the CPU kernels against a float64 reference (softmax over an
+explicit causal mask, one request at a time); the backends' declared contracts (devices, CUDA graphs,
+metadata)."""
 
 from __future__ import annotations
 
@@ -76,19 +77,20 @@ def run_backend(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: list, scale: float
                         ) -> torch.Tensor:
-    """Causal GQA attention, one request and one query token at a time, in float64."""
+    """Causal GQA attention in float64, one request at a time: its query ``i`` after ``context`` cached tokens
+    sees keys ``0..context + i``."""
     out = torch.empty_like(query, dtype=torch.float64)
     group = query.shape[1] // NUM_KV_HEADS
     start = 0
     for n, (keys, values) in zip(query_lens, full_kv, strict=True):
         context = len(keys) - n
-        for i in range(n):
-            visible = context + i + 1
-            k = keys[:visible].repeat_interleave(group, dim=1)    # [visible, H, D]
-            v = values[:visible].repeat_interleave(group, dim=1)
-            q = query[start + i].double()                         # [H, D]
-            probs = torch.softmax(torch.einsum("hd,khd->hk", q, k) * scale, dim=-1)
-            out[start + i] = torch.einsum("hk,khd->hd", probs, v)
+        k = keys.repeat_interleave(group, dim=1)                  # [seq_len, H, D]
+        v = values.repeat_interleave(group, dim=1)
+        q = query[start:start + n].double()                       # [n, H, D]
+        visible = torch.arange(len(keys))[None, :] <= torch.arange(context, context + n)[:, None]
+        scores = torch.einsum("nhd,khd->hnk", q, k) * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:start + n] = torch.einsum("hnk,khd->nhd", probs, v)
         start += n
     return out
 
@@ -185,6 +187,11 @@ def test_torch_metadata_splits_decodes_from_prefill_chunks() -> None:
     assert metadata.decodes.seq_lens.tolist() == [21, 48, 2]
     assert metadata.decodes.blocks.numel() == 3 * 3  # padded to the longest decode: 48 tokens, 3 blocks each
     assert [(c.start, c.end, c.blocks is None) for c in metadata.prefills] == [(1, 13, True), (14, 19, True)]
+    batch = metadata.prefill_batch  # the same chunks as the CPU prefill kernel reads them
+    assert (batch.row_starts.tolist(), batch.query_lens.tolist(), batch.seq_lens.tolist()) == ([1, 14], [12, 5],
+                                                                                             [12, 5])
+    assert batch.block_table.dtype == torch.int32 and batch.block_table.is_contiguous()
+    torch.testing.assert_close(batch.block_table, common.block_table[[1, 3]])
 
 
 def test_backend_refuses_a_cache_with_other_blocks_than_it_was_built_for() -> None:
@@ -254,3 +261,73 @@ def test_cpu_decode_kernel_compiles_and_is_used(dtype: torch.dtype) -> None:
     out = paged_decode_attention(query.to(dtype), kv_cache.to(dtype), metadata.block_table, metadata.seq_lens + 0,
                                  0.1)
     assert out is not None and out.shape == query.shape and out.dtype == dtype
+
+
+def _amx_settings() -> list[bool]:
+    """The bf16 paths of the prefill kernel this machine has: AVX always, AMX where the CPU has it."""
+    from engine.model.cpu_attention import prefill_kernel_amx
+
+    return [False, True] if prefill_kernel_amx() else [False]
+
+
+# Chunks longer than one query tile of the kernel for every group below (192 / group tokens), ending
+# mid-tile and mid-block, after no context, a short one and one longer than a key tile (64).
+PREFILL_KERNEL_STEP = ([200, 7, 70], [0, 37, 130])
+
+
+def check_prefill_kernel(queries_per_kv: int, head_dim: int, dtype: torch.dtype, amx: bool,
+                         extra_flags: tuple[str, ...] = ()) -> None:
+    """The prefill kernel on ``PREFILL_KERNEL_STEP`` against ``reference_attention``."""
+    from engine.model.cpu_attention import paged_prefill_attention, prefill_kernel_amx
+
+    query_lens, context_lens = PREFILL_KERNEL_STEP
+    query, key, value, kv_cache, common, full_kv = make_step(query_lens, context_lens,
+                                                             NUM_KV_HEADS * queries_per_kv, 16, head_dim=head_dim)
+    kv_cache.view(2, -1, NUM_KV_HEADS, head_dim)[:, common.slot_mapping] = torch.stack([key, value])
+    query, kv_cache = query.to(dtype), kv_cache.to(dtype)
+    full_kv = [(k.to(dtype).double(), v.to(dtype).double()) for k, v in full_kv]
+    prefills = get_attention_backend("cpu", 16).build_metadata(common).prefill_batch
+    try:
+        prefill_kernel_amx(amx)
+        out = paged_prefill_attention(query, kv_cache, prefills, head_dim ** -0.5, extra_flags)
+    finally:
+        prefill_kernel_amx(True)
+    assert out is not None and out.dtype == dtype  # the kernel ran: no silent torch fallback
+    expected = reference_attention(query, query_lens, full_kv, head_dim ** -0.5)
+    # bf16: the output's own rounding (2^-9 relative), plus on AMX the probabilities' (measured 4e-3 abs).
+    tolerance = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(("dtype", "amx"), [pytest.param(torch.float32, False, id="float32")]
+                         + [pytest.param(torch.bfloat16, amx, id=f"bfloat16-{'amx' if amx else 'avx'}")
+                            for amx in _amx_settings()])
+@pytest.mark.parametrize(("queries_per_kv", "head_dim"), [(1, 64), (3, 64), (4, 128)])
+def test_cpu_prefill_kernel_matches_reference(queries_per_kv: int, head_dim: int, dtype: torch.dtype,
+                                              amx: bool) -> None:
+    """FlashAttention-style tiles over the paged cache against float64 softmax attention, causal from each
+    chunk's offset: shuffled (non-contiguous) blocks, grouped query heads, chunks of several tiles."""
+    check_prefill_kernel(queries_per_kv, head_dim, dtype, amx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_prefill_kernel_built_for_an_avx2_only_cpu(dtype: torch.dtype) -> None:
+    """-march=haswell: 8-float vectors and no AMX, the code an AVX2 machine compiles."""
+    check_prefill_kernel(3, 64, dtype, amx=False, extra_flags=("-march=haswell",))
+
+
+def test_cpu_prefill_kernel_refuses_shapes_it_lacks_and_the_backend_falls_back() -> None:
+    """head_dim 36 is not a multiple of 8: the kernel declines and the torch path answers."""
+    from engine.model.cpu_attention import paged_prefill_attention
+
+    query_lens, context_lens = SCENARIOS["chunked_prefill_with_context"]
+    query, key, value, kv_cache, common, full_kv = make_step(query_lens, context_lens, NUM_KV_HEADS * 2, 16,
+                                                             head_dim=36)
+    backend = get_attention_backend("cpu", 16)
+    metadata = backend.build_metadata(common)
+    assert paged_prefill_attention(query, kv_cache, metadata.prefill_batch, 1 / 6) is None
+
+    out = backend.forward(query, key, value, kv_cache, metadata, 1 / 6)
+
+    torch.testing.assert_close(out.double(), reference_attention(query, query_lens, full_kv, 1 / 6),
+                               rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import cpu_attention
+from engine.model import c_kernels, cpu_attention
 from engine.model.cpu_attention import load_kernel, paged_decode_attention
 
 
@@ -43,7 +43,7 @@ def decode_inputs() -> tuple[torch.Tensor, ...]:
 
 def test_unwritable_cache_builds_in_a_temporary_folder(unwritable_cache: Path,
                                                        caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.INFO, logger=c_kernels.__name__):
         lib = load_kernel()
     assert lib is not None
     assert not Path(lib._name).is_relative_to(unwritable_cache)
@@ -56,7 +56,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(unwritable_cache: Path
                                                           caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(unwritable_cache.parent))
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=c_kernels.__name__):
         assert load_kernel() is None
         assert paged_decode_attention(*decode_inputs(), 0.125) is None
     assert len(caplog.records) == 1 and "no C compiler" in caplog.text
@@ -65,7 +65,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(unwritable_cache: Path
 def test_missing_source_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                             caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(cpu_attention, "_SOURCE", tmp_path / "missing.c")
-    with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+    with caplog.at_level(logging.WARNING, logger=c_kernels.__name__):
         assert load_kernel() is None
     assert "source is missing" in caplog.text
 

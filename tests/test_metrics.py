@@ -13,18 +13,21 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import server
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode import SpecDecodingStats
 from engine.metrics.loggers import LoggingStatLogger
-from engine.metrics.prometheus import buckets_1_2_5
+from engine.metrics.prometheus import SPEC_DECODE_ALIASES, PrometheusStatLogger, buckets_1_2_5
 from engine.metrics.stats import IterationStats, RequestStatsTracker
 from engine.outputs import EngineCoreOutput, FinishReason
 from server.app import ServerArgs, build_app
 from server.logging_config import JsonFormatter, log_config
 from tests.conftest import Served, cli_server, sse_payloads
 from tests.test_server import wait_until_idle
+from tests.test_spec_decode import NGRAM, PASSAGE
 
 MODEL_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
@@ -104,6 +107,34 @@ def test_scheduler_counters_are_reported_as_deltas_per_step() -> None:
     assert (stats.num_scheduled_tokens, stats.prefix_cache_queries, stats.prefix_cache_hits,
             stats.num_preemptions) == (64, 30, 16, 2)
     assert tracker.make_iteration_stats([], (), step, now=0.0) == IterationStats()
+
+
+def test_spec_decoding_counters_are_reported_as_deltas_and_exported_under_vllm_names() -> None:
+    tracker = RequestStatsTracker(scheduler_stats(spec_decoding=SpecDecodingStats(2, 6, 3, [2, 1, 0])))
+    step = scheduler_stats(spec_decoding=SpecDecodingStats(5, 15, 10, [5, 3, 2]))
+    stats = tracker.make_iteration_stats([], (), step, now=0.0)
+    assert stats.spec_decoding == SpecDecodingStats(3, 9, 7, [3, 2, 2])
+    assert tracker.make_iteration_stats([], (), step, now=0.0).spec_decoding == SpecDecodingStats(0, 0, 0, [0, 0, 0])
+    prometheus = PrometheusStatLogger("m", 2048)
+    prometheus.record(step, stats)
+    page = generate_latest(prometheus.registry).decode()
+    for ours, (vllm,) in SPEC_DECODE_ALIASES.items():
+        assert f"pagedserve:{ours}" in page and vllm in page
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in page
+    assert 'pagedserve:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in page
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0' in page
+
+
+def test_stats_line_adds_speculative_decoding_when_drafts_were_verified(caplog: pytest.LogCaptureFixture) -> None:
+    stat_logger = LoggingStatLogger(clock=iter([0.0, 2.0]).__next__)
+    caplog.set_level(logging.INFO, logger="engine.metrics.loggers")
+    busy = scheduler_stats(num_running_reqs=1)
+    for tokens, spec in ((10, SpecDecodingStats(2, 8, 4, [2, 1, 1, 0])), (6, SpecDecodingStats(2, 8, 2, [1, 1, 0, 0]))):
+        stat_logger.record(busy, IterationStats(num_generation_tokens=tokens, spec_decoding=spec))
+    stat_logger.log()
+    assert caplog.records[-1].getMessage() == (
+        "speculative decoding: mean acceptance length 2.50, accepted throughput 3.0 tok/s, drafted throughput 8.0 "
+        "tok/s, acceptance rate 37.5%, per-position acceptance rate 0.75, 0.50, 0.25, 0.00, drafts 4")
 
 
 def test_token_buckets_run_1_2_5_up_to_max_model_len() -> None:
@@ -246,23 +277,35 @@ def _stats_lines(log: Path) -> list[dict[str, Any]]:
 
 
 def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_path: Path) -> None:
-    """``python -m server serve --log-format json --access-log``: every line is JSON, uvicorn's included."""
+    """``python -m server serve --log-format json --access-log``: every line is JSON, uvicorn's included.
+
+    With ``--speculative-config`` and a prompt the model copies from: the speculative decoding counters
+    on /metrics, under our names and vLLM's, and their line in the stats log.
+    """
     interval_s = 0.5
     log = tmp_path / "server.log"
     args = ["--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", "--log-format", "json", "--access-log",
-            "--log-stats-interval-s", str(interval_s)]
+            "--log-stats-interval-s", str(interval_s), "--speculative-config", json.dumps(NGRAM)]
     # TQDM_DISABLE: the weight loader's progress bar is no log line (the image sets it too).
     with cli_server(tmp_path, *args, env={"TQDM_DISABLE": "1"}) as (url, process):
         time.sleep(2 * interval_s)
         assert _stats_lines(log) == [], "a stats line before any request"
-        body = {"prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+        body = {"prompt": PASSAGE * 2 + PASSAGE[:60].rstrip(), "max_tokens": 48, "ignore_eos": True}
         started = time.monotonic()
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
         busy_s = time.monotonic() - started
         time.sleep(2 * interval_s)  # the interval holding the request's end is logged after it
         busy_lines = _stats_lines(log)
-        assert busy_lines and all("generation throughput" in line["message"] for line in busy_lines)
-        assert len(busy_lines) <= busy_s / interval_s + 2
+        throughput = [line for line in busy_lines if "generation throughput" in line["message"]]
+        speculative = [line for line in busy_lines if line["message"].startswith("speculative decoding: mean ")]
+        assert throughput and speculative and len(throughput) + len(speculative) == len(busy_lines)
+        assert len(throughput) <= busy_s / interval_s + 2
+        samples = scrape(url)
+        assert value(samples, "spec_decode_num_accepted_tokens_total") > 0
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+            ours, vllm = ({labels: v for (n, labels), v in samples.items() if n == f"{prefix}:spec_decode_{name}_total"}
+                          for prefix in ("pagedserve", "vllm"))
+            assert ours and ours == vllm, name
         time.sleep(4 * interval_s)
         assert _stats_lines(log) == busy_lines, "stats lines while idle"
         access = [json.loads(line) for line in log.read_text().splitlines() if "POST /v1/completions" in line]

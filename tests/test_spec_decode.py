@@ -10,14 +10,20 @@ speculation, itself checked against transformers elsewhere (test_model.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import pytest
 
-from engine.config import EngineArgs, EngineConfig
+from engine import LLM
+from engine.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.core.spec_decode import BACKOFF_FIRST_PAUSE, BACKOFF_WINDOW, DraftGate
 from engine.engine_core import EngineCore
-from engine.request import EngineCoreRequest
+from engine.request import EngineCoreRequest, Request
 from engine.sampling_params import SamplingParams
+from tests.fake_runner import FakeModelRunner, next_token, reference_tokens
+from tests.fake_runner import step as fake_step
 
 VOCAB = 256
 
@@ -158,3 +164,155 @@ def test_drafts_with_prefix_cache_hits(tiny_llama_folder, reference):
                            block_size=4, max_num_seqs=6)
     assert core.make_stats().prefix_cache_hits > 0
     assert outputs == {str(i): expected[str(i % len(PROMPTS))] for i in range(2 * len(PROMPTS))}
+
+
+# --------------------------------------------------------------------------- stepping aside (scheduler level)
+
+
+class FakeModelDrafter:
+    """Drafts the fake model's own next tokens (``tests.fake_runner``): all right, or all wrong."""
+
+    def __init__(self, num_speculative_tokens: int, right: bool = True):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.right = right
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        tokens, drafts = list(token_ids), []
+        for _ in range(self.num_speculative_tokens):
+            tokens.append(next_token(tokens, FAKE_VOCAB))
+            drafts.append(tokens[-1] if self.right else tokens[-1] + FAKE_VOCAB)
+        return drafts
+
+
+FAKE_VOCAB = 50
+
+
+def fake_scheduler(drafter, gate: DraftGate | None = None, max_num_seqs: int = 8) -> tuple[Scheduler, FakeModelRunner]:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 256, 1024), CacheConfig(128, 16), drafter=drafter,
+                          draft_gate=gate)
+    return scheduler, FakeModelRunner(128, 16, FAKE_VOCAB)
+
+
+def fake_request(request_id: str, max_tokens: int) -> Request:
+    prompt = [3 + (int(request_id) * 7 + k) % 40 for k in range(10)]
+    return Request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                   None, 16)
+
+
+def run_fake(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """Outputs by request id, and per step: (requests running when its drafts were proposed, requests with drafts)."""
+    outputs: dict[str, list[int]] = {}
+    steps, num_running = [], 0
+    while scheduler.has_requests():
+        so, outs = fake_step(scheduler, runner)
+        if so.total_num_scheduled_tokens:  # not the last step, which only frees the finished
+            steps.append((num_running, len(so.scheduled_spec_decode_tokens)))
+        num_running = len(scheduler.running)
+        for output in outs:
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return outputs, steps
+
+
+def expected_fake_outputs(requests: list[Request]) -> dict[str, list[int]]:
+    return {r.request_id: reference_tokens(r.prompt_token_ids, r.sampling_params.max_tokens, FAKE_VOCAB)
+            for r in requests}
+
+
+def test_no_drafts_in_a_step_with_disable_by_batch_size_running_requests():
+    scheduler, runner = fake_scheduler(FakeModelDrafter(2), DraftGate(disable_by_batch_size=3))
+    requests = [fake_request(str(i), max_tokens=6 + 8 * i) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs, steps = run_fake(scheduler, runner)
+    assert outputs == expected_fake_outputs(requests)
+    # Proposed while 3 or 4 requests ran: no drafts; while 1 or 2 ran: drafts for each (but for the last
+    # step, whose one token left leaves no room for drafts).
+    assert steps[0] == (0, 0) and all(with_drafts == 0 for running, with_drafts in steps if running >= 3)
+    assert [with_drafts == running for running, with_drafts in steps[1:-1] if running < 3] == [True] * 5
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off_then_retries():
+    scheduler, runner = fake_scheduler(FakeModelDrafter(3, right=False))
+    requests = [fake_request("0", max_tokens=60)]
+    scheduler.add_request(requests[0])
+    outputs, steps = run_fake(scheduler, runner)
+    assert outputs == expected_fake_outputs(requests)
+    drafted = [with_drafts for _, with_drafts in steps[1:]]  # after the prefill step
+    window, pause = [1] * BACKOFF_WINDOW, BACKOFF_FIRST_PAUSE
+    expected = window + [0] * pause + window + [0] * 2 * pause + window + [0] * 4 * pause
+    assert drafted == expected[:len(drafted)] and len(drafted) == 59
+    assert scheduler.make_stats().spec_decoding.num_accepted_tokens == 0
+
+
+def test_right_drafts_never_back_off_and_are_counted_per_position():
+    scheduler, runner = fake_scheduler(FakeModelDrafter(3))
+    requests = [fake_request(str(i), max_tokens=25) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    outputs, steps = run_fake(scheduler, runner)
+    assert outputs == expected_fake_outputs(requests)
+    # Prefill, then 24 tokens at 4 a step (the last step's drafts are cut to fit max_tokens).
+    assert len(steps) == 1 + 6
+    spec = scheduler.make_stats().spec_decoding
+    assert (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens) == (18, 3 * 18, 3 * 18)
+    assert spec.num_accepted_tokens_per_pos == [18, 18, 18]
+    assert scheduler.draft_gate._requests == {}  # forgotten once finished
+
+
+# --------------------------------------------------------------------------- prompt lookup on real weights
+
+#: Text the embedded SmolLM2 goes on copying: each prompt holds the passage twice and then breaks off in its third
+#: copy, so the continuation repeats the passage and prompt lookup drafts are mostly right.
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a wooden screw press into a practical system. Within decades, "
+    "print shops spread across Europe, books became cheaper, and literacy rose. ")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+REAL_GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def grounded_prompts() -> list[str]:
+    return [PASSAGE * 2 + PASSAGE[:60 + 40 * i].rstrip() for i in range(3)] + ["Write a short poem about the sea."]
+
+
+@pytest.fixture(scope="module")
+def real_reference(grounded_prompts) -> list[list[int]]:
+    """The embedded model's greedy output without speculation (itself equal to transformers', test_llm.py)."""
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes="64MiB")
+    return [o.outputs[0].token_ids for o in llm.generate(grounded_prompts, REAL_GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def ngram_llm() -> LLM:
+    """Prompt lookup through --speculative-config, with prefill chunks of 32 tokens in steps of 64 and a KV
+    cache of 13 blocks (208 tokens) that cannot hold the four requests (18 blocks even with their shared
+    prefix cached): some are preempted."""
+    return LLM(max_model_len=512, speculative_config=json.dumps(NGRAM), max_num_batched_tokens=64,
+               long_prefill_token_threshold=32, num_gpu_blocks_override=14)
+
+
+def test_prompt_lookup_greedy_output_equals_plain_decoding_on_real_weights(ngram_llm, grounded_prompts,
+                                                                         real_reference):
+    outputs = [o.outputs[0].token_ids for o in ngram_llm.generate(grounded_prompts, REAL_GREEDY, use_tqdm=False)]
+    assert outputs == real_reference
+    stats = ngram_llm.engine_core.make_stats()
+    assert stats.num_preemptions > 0
+    spec = stats.spec_decoding
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > spec.num_draft_tokens / 2  # copying pays
+
+
+def test_seeded_random_sampling_with_prompt_lookup_is_reproducible(ngram_llm, grounded_prompts):
+    """The same request gives the same tokens, though the second time its prompt is a prefix-cache hit.
+
+    Only as long as it gets the same drafts: how many random draws a step takes depends on its drafts,
+    so a request whose drafts a full batch cuts short (token budget, KV blocks) may sample other tokens.
+    """
+    params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=12, ignore_eos=True, seed=7)
+
+    def sample() -> list[int]:
+        return ngram_llm.generate(grounded_prompts[1], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    drafts_before = ngram_llm.engine_core.make_stats().spec_decoding.num_drafts
+    assert sample() == sample()
+    assert ngram_llm.engine_core.make_stats().spec_decoding.num_drafts > drafts_before

@@ -5,7 +5,9 @@ likely follow each decoding request; the next step runs them after the
 request's last token and the model runner keeps the longest prefix the model
 agrees with, plus one token of its own (Leviathan et al. 2023,
 arXiv:2211.17192). A proposer that reads only the token ids (n-gram lookup in
-the prompt, Saxena 2023's prompt lookup decoding) needs no device at all.
+the prompt, Saxena 2023's prompt lookup decoding: ``ngram_proposer.NgramProposer``,
+what ``--speculative-config '{"method": "ngram", ...}'`` builds) needs no device at
+all. Which requests are asked is the scheduler's ``DraftGate`` (``spec_decode``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ the new tokens, and a grammar that allows nothing more finishes the request.
 Speculative decoding: a request's draft tokens (``Request.spec_token_ids``,
 from the drafter after each step) are scheduled after its last token like any
 other tokens; ``update_from_output`` keeps the accepted ones and rolls
-``num_computed_tokens`` back past the rejected ones.
+``num_computed_tokens`` back past the rejected ones. A ``DraftGate`` decides which
+requests the drafter is asked for (``engine.core.spec_decode``: no drafts in a busy
+batch or for a request whose drafts keep failing); ``SpecDecodingStats`` counts
+drafts and accepted tokens for the metrics.
 
 This package imports no torch.
 """
@@ -31,6 +34,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.draft_proposer import DraftProposer
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from engine.core.spec_decode import DraftGate, SpecDecodingStats
 from engine.core.structured_output import StructuredOutputManager
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine.request import Request, RequestStatus
@@ -49,6 +53,7 @@ class SchedulerStats:
     prefix_cache_hits: int         # tokens
     num_preemptions: int
     num_scheduled_tokens: int      # tokens, summed over every schedule()
+    spec_decoding: SpecDecodingStats | None = None  # None when the engine has no drafter
 
 
 @dataclass
@@ -74,14 +79,18 @@ class Scheduler:
         structured_output_manager: fills the allowed-token masks of constrained requests; None = no
             request is constrained.
         drafter: proposes draft tokens for decoding requests after each step; None = no speculation.
+        draft_gate: which requests the drafter is asked for; None = ``DraftGate()`` (the per-request
+            back-off, no batch-size limit).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: StructuredOutputManager | None = None,
-                 drafter: DraftProposer | None = None) -> None:
+                 drafter: DraftProposer | None = None, draft_gate: DraftGate | None = None) -> None:
         self.config = scheduler_config
         self.structured_output_manager = structured_output_manager
         self.drafter = drafter
+        self.draft_gate = draft_gate or DraftGate()
+        self.spec_decoding_stats = SpecDecodingStats.new(drafter.num_speculative_tokens) if drafter else None
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                cache_config.enable_prefix_caching)
@@ -147,7 +156,8 @@ class Scheduler:
         return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
                               kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
                               prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-                              num_scheduled_tokens=self.num_scheduled_tokens)
+                              num_scheduled_tokens=self.num_scheduled_tokens,
+                              spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats else None)
 
     # ------------------------------------------------------------------ schedule
 
@@ -345,6 +355,8 @@ class Scheduler:
             # The runner keeps the accepted drafts and one more token; the K/V of the
             # rejected positions are recomputed from the next step on.
             request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            self.spec_decoding_stats.observe(len(drafts), len(generated) - 1)
+            self.draft_gate.record(req_id, len(drafts), len(generated) - 1)
         new_token_ids = []
         grammars = self.structured_output_manager if request.sampling_params.structured_outputs else None
         for token_id in generated:
@@ -386,13 +398,15 @@ class Scheduler:
         """Ask the drafter for the next tokens of every decoding request, within its limits.
 
         A request may run ``k`` drafts when the ``k + 1`` tokens a step can then emit
-        fit both ``max_tokens`` and ``max_model_len``. A request the drafter raises for is failed
-        and added to ``finished``.
+        fit both ``max_tokens`` and ``max_model_len``, and the draft gate allows it. A request
+        the drafter raises for is failed and added to ``finished``.
 
         Returns:
             The outputs of the requests failed here.
         """
-        outputs = []
+        outputs: list[EngineCoreOutput] = []
+        if not self.draft_gate.allows_batch(len(self.running) - len(finished)):
+            return outputs
         max_model_len = self.config.max_model_len
         for request in self.running:
             if request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
@@ -402,7 +416,7 @@ class Scheduler:
             max_tokens = request.sampling_params.max_tokens or max_model_len
             num_drafts = min(self.drafter.num_speculative_tokens,
                              max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
-            if num_drafts <= 0:
+            if num_drafts <= 0 or not self.draft_gate.allows(request.request_id):
                 continue
             try:
                 request.spec_token_ids = list(self.drafter.propose(request.all_token_ids)[:num_drafts])
@@ -434,5 +448,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        self.draft_gate.remove(request.request_id)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output_manager.remove_request(request.request_id)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode import SpecDecodingStats
 from engine.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,11 @@ class LoggingStatLogger:
 
     Idle means no token was processed since the previous line and no request
     is running or waiting. Throughputs are tokens per second over the interval;
-    the prefix-cache hit rate and the preemptions are the interval's too.
+    the prefix-cache hit rate and the preemptions are the interval's too. An interval
+    that verified drafts adds a speculative decoding line, as vLLM's ``SpecDecodingLogging``:
+    mean acceptance length (tokens per draft step: 1 + accepted / drafts), accepted and
+    drafted tokens per second, the acceptance rate (accepted / drafted tokens) and the
+    acceptance rate at each draft position (accepted there / drafts).
 
     Args:
         clock: seconds, monotonic; ``time.monotonic`` unless a test needs another.
@@ -48,6 +53,10 @@ class LoggingStatLogger:
         total.num_preemptions += iteration_stats.num_preemptions
         total.prefix_cache_queries += iteration_stats.prefix_cache_queries
         total.prefix_cache_hits += iteration_stats.prefix_cache_hits
+        if iteration_stats.spec_decoding is not None:
+            if total.spec_decoding is None:
+                total.spec_decoding = SpecDecodingStats()
+            total.spec_decoding.add(iteration_stats.spec_decoding)
 
     def log(self) -> None:
         """Log the interval since the previous call (if busy) and start a new one."""
@@ -64,3 +73,12 @@ class LoggingStatLogger:
             "KV cache usage %.1f%%, prefix cache hit rate %.1f%%, preemptions %d",
             total.num_prompt_tokens / elapsed_s, total.num_generation_tokens / elapsed_s, stats.num_running_reqs,
             stats.num_waiting_reqs, 100 * stats.kv_cache_usage, 100 * hit_rate, total.num_preemptions)
+        spec = total.spec_decoding
+        if spec is not None and spec.num_drafts:
+            logger.info(
+                "speculative decoding: mean acceptance length %.2f, accepted throughput %.1f tok/s, drafted "
+                "throughput %.1f tok/s, acceptance rate %.1f%%, per-position acceptance rate %s, drafts %d",
+                1 + spec.num_accepted_tokens / spec.num_drafts, spec.num_accepted_tokens / elapsed_s,
+                spec.num_draft_tokens / elapsed_s, 100 * spec.num_accepted_tokens / spec.num_draft_tokens,
+                ", ".join(f"{count / spec.num_drafts:.2f}" for count in spec.num_accepted_tokens_per_pos),
+                spec.num_drafts)

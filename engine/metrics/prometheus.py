@@ -9,7 +9,8 @@ The gauges that the Gateway API Inference Extension's endpoint pickers read to
 route requests (GIE's model-server protocol; llm-d's scheduler is built on it)
 are also exported under vLLM's names (``GATEWAY_ALIASES``), with the same value
 and labels, so that a gateway configured for vLLM routes to pagedserve unchanged
-(docs/kubernetes.md).
+(docs/kubernetes.md). The speculative decoding counters are likewise exported under
+vLLM's names too (``SPEC_DECODE_ALIASES``), for dashboards made for vLLM's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode import SpecDecodingStats
 from engine.metrics.stats import IterationStats
 from engine.outputs import FinishReason
 
@@ -46,6 +48,14 @@ GATEWAY_ALIASES: dict[str, tuple[str, ...]] = {
     "cache_config_info": ("vllm:cache_config_info",),
 }
 
+#: Our speculative decoding counters -> vLLM's names for them (vLLM's ``SpecDecodingProm``): acceptance rate =
+#: rate(accepted_tokens) / rate(draft_tokens), mean acceptance length = 1 + rate(accepted_tokens) / rate(drafts).
+#: Registered whether or not speculation is on (they stay 0 when it is off).
+SPEC_DECODE_ALIASES: dict[str, tuple[str, ...]] = {
+    name: (f"vllm:{name}",) for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                                         "spec_decode_num_accepted_tokens_total",
+                                         "spec_decode_num_accepted_tokens_per_pos_total")}
+
 
 def buckets_1_2_5(max_value: int) -> list[int]:
     """``[1, 2, 5, 10, 20, 50, ...]`` up to ``max_value`` (token-count buckets)."""
@@ -58,9 +68,10 @@ def buckets_1_2_5(max_value: int) -> list[int]:
         scale *= 10
 
 
-class _AliasedGauge:
-    """One gauge value kept under several names (``GATEWAY_ALIASES``): ``set`` sets them all, so that
-    every scrape reads the same value under each name (records and scrapes both run on the event loop)."""
+class _Aliased:
+    """One gauge or counter value kept under several names (``GATEWAY_ALIASES``, ``SPEC_DECODE_ALIASES``):
+    ``set`` and ``inc`` change them all, so that every scrape reads the same value under each name (records
+    and scrapes both run on the event loop)."""
 
     def __init__(self, children: list[Any]) -> None:
         self._children = children
@@ -69,9 +80,14 @@ class _AliasedGauge:
         for child in self._children:
             child.set(value)
 
+    def inc(self, amount: float) -> None:
+        for child in self._children:
+            child.inc(amount)
+
 
 class PrometheusStatLogger:
-    """Keeps the ``pagedserve:*`` metrics, and vLLM's names for the gateway's gauges, in ``self.registry``.
+    """Keeps the ``pagedserve:*`` metrics, and vLLM's names for the gateway's gauges and the speculative
+    decoding counters, in ``self.registry``.
 
     Args:
         model_name: the value of every metric's ``model_name`` label.
@@ -90,12 +106,17 @@ class PrometheusStatLogger:
             return kind(PREFIX + name, documentation, ["model_name"], registry=self.registry,
                         **options).labels(model_name)
 
-        def gauge(name: str, documentation: str, **labels: str) -> _AliasedGauge:
+        def gauge(name: str, documentation: str, **labels: str) -> _Aliased:
             """``pagedserve:<name>`` and its ``GATEWAY_ALIASES``, labelled alike."""
             names = [PREFIX + name, *GATEWAY_ALIASES.get(name, ())]
-            return _AliasedGauge([
+            return _Aliased([
                 Gauge(full_name, documentation, ["model_name", *labels], registry=self.registry)
                 .labels(model_name, *labels.values()) for full_name in names])
+
+        def spec_counters(name: str, documentation: str, *labels: str) -> list[Counter]:
+            """``pagedserve:<name>`` and its ``SPEC_DECODE_ALIASES``: one family each, children not made yet."""
+            return [Counter(full_name, documentation, ["model_name", *labels], registry=self.registry)
+                    for full_name in (PREFIX + name, *SPEC_DECODE_ALIASES[name])]
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -131,6 +152,18 @@ class PrometheusStatLogger:
                           ["model_name", "finished_reason"], registry=self.registry)
         # Every reason from the start, so that rate() sees the first one of each.
         self.request_success = {reason: success.labels(model_name, reason.value) for reason in FinishReason}
+        self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens = (
+            _Aliased([family.labels(model_name) for family in spec_counters(name, documentation)])
+            for name, documentation in (
+                ("spec_decode_num_drafts_total", "Request steps that verified draft tokens (speculative decoding)."),
+                ("spec_decode_num_draft_tokens_total", "Draft tokens verified."),
+                ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.")))
+        self._accepted_per_pos_families = spec_counters(
+            "spec_decode_num_accepted_tokens_per_pos_total", "Draft tokens accepted, by position in their step.",
+            "position")
+        # position -> its counter; made at the first record of a speculating engine (every position, 0 included).
+        self.spec_decode_num_accepted_tokens_per_pos: list[_Aliased] = []
+        self._model_name = model_name
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
@@ -155,3 +188,16 @@ class PrometheusStatLogger:
                 self.request_queue_time.observe(finished.queue_time_s)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding)
+
+    def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        self.spec_decode_num_drafts.inc(spec.num_drafts)
+        self.spec_decode_num_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(spec.num_accepted_tokens)
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        for position in range(len(per_pos), len(spec.num_accepted_tokens_per_pos)):
+            per_pos.append(_Aliased([family.labels(self._model_name, str(position))
+                                     for family in self._accepted_per_pos_families]))
+        for counter, count in zip(per_pos, spec.num_accepted_tokens_per_pos, strict=False):
+            counter.inc(count)

@@ -23,6 +23,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from engine.core.scheduler import SchedulerStats
+from engine.core.spec_decode import SpecDecodingStats
 from engine.outputs import EngineCoreOutput, FinishReason
 
 
@@ -62,6 +63,7 @@ class IterationStats:
         time_to_first_tokens_s: one TTFT (seconds) per request whose first token arrived.
         inter_token_latencies_s: one ITL (seconds) per later output with tokens.
         finished_requests: the requests that finished.
+        spec_decoding: drafts and accepted tokens (speculative decoding); None when the engine has no drafter.
     """
 
     num_scheduled_tokens: int = 0
@@ -73,6 +75,7 @@ class IterationStats:
     time_to_first_tokens_s: list[float] = field(default_factory=list)
     inter_token_latencies_s: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass
@@ -125,6 +128,8 @@ class RequestStatsTracker:
             num_preemptions=scheduler_stats.num_preemptions - prev.num_preemptions,
             prefix_cache_queries=scheduler_stats.prefix_cache_queries - prev.prefix_cache_queries,
             prefix_cache_hits=scheduler_stats.prefix_cache_hits - prev.prefix_cache_hits)
+        if scheduler_stats.spec_decoding is not None:
+            stats.spec_decoding = scheduler_stats.spec_decoding.minus(prev.spec_decoding)
         for output in outputs:
             times = self._requests.get(output.request_id)
             if times is None:

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.model import cpu_ops
 from engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.model.linear_methods import LinearMethodBase
 from engine.model.parallel import TensorParallel
@@ -36,7 +37,10 @@ class RMSNorm(nn.Module):
 
     The arithmetic mirrors transformers' ``LlamaRMSNorm`` operation for
     operation (statistics in float32, then cast back before the weight), so
-    outputs match it bit for bit in float32.
+    outputs match it bit for bit in float32. On the CPU, ``[T, width]`` inputs
+    go to the fused kernel (``cpu_ops.rms_norm``): the same arithmetic in one
+    call, its sum of squares accumulated in float64 (so float32 outputs may
+    differ from torch's in the last bit).
     """
 
     def __init__(self, weight_shape: int | tuple[int, ...], eps: float) -> None:
@@ -56,6 +60,9 @@ class RMSNorm(nn.Module):
             The normalised tensor; with a residual, also the sum ``x + residual``
             (the next residual), as a tuple.
         """
+        if x.dim() == 2 and self.weight.dim() == 1 and (fused := cpu_ops.rms_norm(x, self.weight, self.eps,
+                                                                                    residual)) is not None:
+            return fused
         if residual is not None:
             x = residual + x
             residual = x
@@ -151,10 +158,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[T, num_heads, head_dim]``) by ``RotaryEmbedding`` cos/sin; returns a new tensor.
+    """Rotate ``x`` (``[T, num_heads, head_dim]``) by ``RotaryEmbedding`` cos/sin.
 
     Queries and keys may be stacked on the head axis to rotate both in one op.
+    On the CPU ``x`` is rotated in place and returned (``cpu_ops.rotary_``);
+    elsewhere the result is a new tensor, so callers must not reuse ``x``.
     """
+    if (rotated := cpu_ops.rotary_(x, cos, sin)) is not None:
+        return rotated
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -184,5 +195,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if (activated := cpu_ops.silu_and_mul(gate_up)) is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.silu(gate) * up
+        return self.down_proj(activated)

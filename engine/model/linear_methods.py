@@ -1,4 +1,4 @@
-"""How a linear layer stores and multiplies its weight: plain, pre-packed for oneDNN, later quantized.
+"""How a linear layer stores and multiplies its weight: plain, pre-packed for oneDNN, or quantized.
 
 A layer (``engine.model.linear``) decides the shape of its slice and how
 checkpoint tensors map onto it; its ``LinearMethodBase`` decides what the
@@ -6,9 +6,10 @@ weight is in memory and which kernel multiplies by it. The split is vLLM's
 (``vllm/model_executor/layers/linear.py``, ``LinearMethodBase``): the method
 creates the layer's weight parameters (``create_weights``), may rewrite them
 once after loading (``process_weights_after_loading``), and runs the product
-(``apply``). A quantization scheme (GGUF Q4, int8) is one more subclass; the
-model code does not change. ``linear_method_for`` is the one place that picks
-the method for a device and dtype.
+(``apply``). A quantization scheme (GGUF blocks, int8, int4:
+``engine.model.quantization``) is one more subclass; the model code does not
+change. ``linear_method_for`` is the one place that picks the method for a
+device, dtype and quantization.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.cpu_threads import all_threads
+from engine.model.quant_kernels import QuantizedWeight, dequantize, quantized_linear
+from engine.model.quantization import quantize_int4, quantize_int8, staged_shape, unstage_once
 from engine.model.weights import WeightLoader, set_weight_loader
 
 
@@ -128,8 +131,130 @@ def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def linear_method_for(device: torch.device | str, dtype: torch.dtype) -> LinearMethodBase:
-    """The linear method a model on ``device`` in ``dtype`` runs: oneDNN-packed where it can be, else plain."""
-    if _onednn_packs(torch.device(device), dtype):
+class QuantizedLinearMethod(LinearMethodBase):
+    """A ``QuantizedWeight`` per layer (``layer.qweight``), multiplied by ``quant_kernels``.
+
+    On the CPU ``quantized_linear`` runs its C kernel; elsewhere (CUDA) the
+    weight is dequantized to the activations' dtype for each product and
+    multiplied by ``F.linear`` (``use_kernel=False``). A layer left in float
+    (``layer.qweight`` None) runs ``fallback``, the method of an unquantized model.
+
+    Args:
+        device, dtype: where the model runs and its activation dtype.
+        use_kernel: ``quantized_linear`` (default: on the CPU), else dequantize + ``F.linear``.
+    """
+
+    def __init__(self, device: torch.device | str, dtype: torch.dtype, use_kernel: bool | None = None) -> None:
+        self.device, self.dtype = torch.device(device), dtype
+        self.fallback = _float_method(self.device, dtype)
+        self.use_kernel = self.device.type == "cpu" if use_kernel is None else use_kernel
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """See ``LinearMethodBase.apply``."""
+        weight: QuantizedWeight | None = getattr(layer, "qweight", None)
+        if weight is None:
+            return self.fallback.apply(layer, x, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        with all_threads():
+            if self.use_kernel:
+                out = quantized_linear(rows, weight, bias)
+            else:
+                out = F.linear(rows, dequantize(weight, x.dtype), bias)
+        return out.view(*x.shape[:-1], weight.out_features)
+
+
+class WeightOnlyQuantizedLinearMethod(QuantizedLinearMethod):
+    """``--quantization int8`` / ``int4``: the float weight loaded as usual, quantized once after loading.
+
+    Args:
+        scheme: ``"int8"`` (``quantize_int8``) or ``"int4"`` (``quantize_int4``).
+        device, dtype, use_kernel: as for ``QuantizedLinearMethod``.
+    """
+
+    def __init__(self, scheme: str, device: torch.device | str, dtype: torch.dtype,
+                 use_kernel: bool | None = None) -> None:
+        super().__init__(device, dtype, use_kernel)
+        self.quantize = {"int8": quantize_int8, "int4": quantize_int4}[scheme]
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       weight_loader: WeightLoader) -> None:
+        """See ``LinearMethodBase.create_weights``: a float ``layer.weight``, as ``UnquantizedLinearMethod``."""
+        UnquantizedLinearMethod().create_weights(layer, input_size_per_partition, output_partition_sizes,
+                                                 weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """``layer.weight`` -> ``layer.qweight``; the float weight is dropped."""
+        layer.qweight = self.quantize(layer.weight.detach()).to(self.device)
+        layer.weight = None
+
+
+class GGUFLinearMethod(QuantizedLinearMethod):
+    """``--quantization gguf``: the file's Q4_0, Q4_1 and Q8_0 blocks, as stored.
+
+    The weight is created staged (``engine.model.quantization``: ``[out,
+    in / 32, 34]`` in ``staging_dtype``), which the layers' weight loaders cut
+    like a plain weight; after loading it is packed when all its blocks are of
+    one kind, else (other GGUF types) dequantized into a float layer.
+
+    Args:
+        staging_dtype: float16 when it holds every staged value of the file exactly, else float32
+            (``quantization.staging_dtype``).
+        device, dtype, use_kernel: as for ``QuantizedLinearMethod``.
+    """
+
+    def __init__(self, staging_dtype: torch.dtype, device: torch.device | str, dtype: torch.dtype,
+                 use_kernel: bool | None = None) -> None:
+        super().__init__(device, dtype, use_kernel)
+        self.staging_dtype = staging_dtype
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                       weight_loader: WeightLoader) -> None:
+        """See ``LinearMethodBase.create_weights``: ``layer.weight`` staged, ``[sum(output_partition_sizes),
+        in / 32, 34]``.
+
+        Raises:
+            ValueError: when ``input_size_per_partition`` is not a multiple of 32.
+        """
+        shape = staged_shape(sum(output_partition_sizes), input_size_per_partition)
+        weight = nn.Parameter(torch.empty(shape, dtype=self.staging_dtype), requires_grad=False)
+        layer.register_parameter("weight", set_weight_loader(weight, weight_loader))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The staged ``layer.weight`` -> ``layer.qweight`` (or a float weight); a tied head takes its
+        embedding's result (``unstage_once``)."""
+        unstaged = unstage_once(layer.weight, self.dtype)
+        if isinstance(unstaged, torch.Tensor):  # a float layer, as without quantization
+            layer.qweight, layer.weight = None, nn.Parameter(unstaged, requires_grad=False)
+            self.fallback.process_weights_after_loading(layer)
+        else:
+            layer.qweight = unstaged.to(self.device)
+            layer.weight = None
+
+
+def _float_method(device: torch.device, dtype: torch.dtype) -> LinearMethodBase:
+    """The method of an unquantized model: oneDNN-packed where it can be, else plain."""
+    if _onednn_packs(device, dtype):
         return OneDNNPackedLinearMethod()
     return UnquantizedLinearMethod()
+
+
+def linear_method_for(device: torch.device | str, dtype: torch.dtype, quantization: str | None = None,
+                      staging_dtype: torch.dtype = torch.float32) -> LinearMethodBase:
+    """The linear method a model on ``device`` in ``dtype`` runs.
+
+    Args:
+        device, dtype: where the model runs and its activation dtype.
+        quantization: None: the float method, oneDNN-packed where it can be, else plain; ``"gguf"``:
+            ``GGUFLinearMethod``; ``"int8"``, ``"int4"``: ``WeightOnlyQuantizedLinearMethod``.
+        staging_dtype: the GGUF method's staging dtype (``quantization.staging_dtype``).
+
+    Raises:
+        ValueError: for another ``quantization``.
+    """
+    if quantization is None:
+        return _float_method(torch.device(device), dtype)
+    if quantization == "gguf":
+        return GGUFLinearMethod(staging_dtype, device, dtype)
+    if quantization in ("int8", "int4"):
+        return WeightOnlyQuantizedLinearMethod(quantization, device, dtype)
+    raise ValueError(f"quantization must be None, 'gguf', 'int8' or 'int4', got {quantization!r}")

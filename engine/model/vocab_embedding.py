@@ -5,6 +5,10 @@ holds ``ceil(vocab / size)`` consecutive rows of the table, the last rank's
 padded with zeros. The embedding looks up the ids in its range, zeroes the
 other rows and sums over the group; the head computes the logits of its rows
 and gathers them. A tied head shares the embedding's parameter.
+
+With ``--quantization gguf`` the table keeps its GGUF blocks (``stage_blocks``,
+then ``process_weights_after_loading``): lookups dequantize the rows they read
+(``quant_kernels.embedding_rows``) and a tied head multiplies by the same blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from torch import nn
 
 from engine.model.linear_methods import LinearMethodBase
 from engine.model.parallel import TensorParallel
+from engine.model.quant_kernels import QuantizedWeight, embedding_rows
+from engine.model.quantization import staged_shape, unstage_once
 from engine.model.weights import ShardId, check_shape, set_weight_loader
 
 
@@ -68,16 +74,44 @@ class VocabParallelEmbedding(nn.Module):
         self.tp, self.shard = tp, VocabShard.of(num_embeddings, tp)
         weight = nn.Parameter(torch.empty(self.shard.rows, embedding_dim), requires_grad=False)
         self.weight = set_weight_loader(weight, self.shard.weight_loader)
+        self.dtype = weight.dtype
+        #: The table's blocks, after ``process_weights_after_loading`` of a staged table; else None.
+        self.qweight: QuantizedWeight | None = None
+
+    def stage_blocks(self, staging_dtype: torch.dtype) -> None:
+        """Make the (not yet loaded) table take staged GGUF blocks, ``[rows, embedding_dim / 32, 34]``
+        (``engine.model.quantization``). The parameter stays the same object, so a tied head follows.
+
+        Raises:
+            ValueError: when ``embedding_dim`` is not a multiple of 32.
+        """
+        self.weight.data = torch.empty(staged_shape(*self.weight.shape), dtype=staging_dtype,
+                                       device=self.weight.device)
+
+    def process_weights_after_loading(self) -> None:
+        """A staged table -> ``qweight`` when its blocks are of one kind, else a float table (no-op unstaged)."""
+        if self.weight is None or self.weight.dim() != 3:
+            return
+        unstaged = unstage_once(self.weight, self.dtype)
+        if isinstance(unstaged, torch.Tensor):
+            self.weight = nn.Parameter(unstaged, requires_grad=False)
+        else:
+            self.qweight, self.weight = unstaged.to(self.weight.device), None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` int64 ids -> ``[T, embedding_dim]``."""
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         # Ids of other ranks look up row 0 and are zeroed; the sum over ranks fills them in.
         local = input_ids - self.shard.start
         outside = (local < 0) | (local >= self.shard.end - self.shard.start)
-        embeddings = F.embedding(local.masked_fill(outside, 0), self.weight)
+        embeddings = self._rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(embeddings.masked_fill_(outside[:, None], 0))
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return embedding_rows(self.qweight, ids, self.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(nn.Module):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.model.attention import AttentionMetadata, check_attention_backend
-from engine.model.loader import ModelSource, load_model, resolve_dtype
+from engine.model.loader import load_model, model_weights_source, resolve_dtype
 from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM
 from engine.outputs import ModelRunnerOutput
@@ -113,10 +113,9 @@ class Worker:
 
     def load_model(self) -> None:
         model_config = self.config.model_config
-        source = ModelSource(model_config.path, None, model_config.served_model_name)
-        self.model = load_model(source, model_config.hf_config, self.dtype, self.device,
+        self.model = load_model(model_weights_source(model_config), model_config.hf_config, self.dtype, self.device,
                                 attn_backend=self.attention_backend, block_size=self.config.cache_config.block_size,
-                                tp=self.tp)
+                                tp=self.tp, quantization=model_config.quantization)
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
