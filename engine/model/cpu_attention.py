@@ -6,7 +6,8 @@ workspace first. For decodes, a step at batch 64 spends about half its
 attention time on that copy. For a prefill chunk after earlier context it is
 worse: the causal mask is an explicit boolean tensor, which sends SDPA to its
 unfused math path (the whole ``[heads, chunk, context]`` score matrix, in bf16
-as slowly as in fp32). Two C kernels read the blocks in place:
+more slowly than in fp32; 82% of an 8k-token prompt's time in fp32). Two C
+kernels read the blocks in place:
 ``csrc/paged_decode_attention.c`` for one-token queries and
 ``csrc/paged_prefill_attention.c`` (FlashAttention-2 style, tiled with an
 online softmax) for prefill chunks. They are plain C with OpenMP (no torch
@@ -15,9 +16,13 @@ first time it is needed and is cached under ``$PAGEDSERVE_CACHE_DIR/kernels``
 (``c_kernels``). Their OpenMP runtime is torch's own, so all share one thread pool.
 
 The cache may be float32 or bfloat16 (half the bytes to read, widened to
-float32 in registers); queries and outputs cross the boundary in float32. When
-no compiler is available, or the cache is float16, the backend falls back to
-the torch path (and says so once in the log).
+float32 in registers, or multiplied on AMX tiles by the prefill kernel where the
+CPU has them). Decode queries and outputs cross the boundary in float32, prefill
+ones in the cache's dtype. When no compiler is available, or the cache is
+float16, the backend falls back to the torch path (and says so once in the log).
+On the 2-core test machine an 8,000-token prompt (``max_tokens`` 1, SmolLM2-135M)
+takes 19.5 s in fp32 and 7.2-9.0 s in bf16 with the kernel, against 42.0 s and
+55.9 s on the torch path (``benchmarks/long_prefill.py``).
 """
 
 from __future__ import annotations
