@@ -1,15 +1,16 @@
 """Time to answer one long prompt (``max_tokens`` 1): the CPU prefill kernel against the torch path.
 
-For each dtype and each ``--max-num-batched-tokens``, a spawned process loads
-the embedded SmolLM2-135M twice, with ``attention_backend`` ``torch`` (prefill
-chunks gathered into a workspace, SDPA with an explicit causal mask) and
-``cpu`` (``csrc/paged_prefill_attention.c`` reading the paged KV in place),
-and times ``LLM.generate`` of one random-token prompt of each ``--prompt-lens``
-length with ``max_tokens`` 1: the whole prefill, chunked by the step budget,
-plus one sampled token. No step decodes, so the two backends differ only in
-prefill attention. Prefix caching is off, so a repeat recomputes everything.
-Each time is the median of ``--repeats`` runs, the two backends' runs
-interleaved so that load from other processes hits both alike.
+For each dtype, each ``--max-num-batched-tokens`` and each attention backend,
+``torch`` (prefill chunks gathered into a workspace, SDPA with an explicit
+causal mask) and ``cpu`` (``csrc/paged_prefill_attention.c`` reading the paged
+KV in place), a spawned process loads the embedded SmolLM2-135M and times
+``LLM.generate`` of one random-token prompt of each ``--prompt-lens`` length
+with ``max_tokens`` 1: the whole prefill, chunked by the step budget, plus one
+sampled token. No step decodes, so the two backends differ only in prefill
+attention. Prefix caching is off, so a repeat recomputes everything. Each time
+is the median of ``--repeats`` runs. A process per backend, because a fast
+path timed in the process that just ran the torch one came out up to 1.8x
+slower (fp32, 8k tokens: 35.6 s against 20.3 s alone).
 
     python -m benchmarks.long_prefill [--prompt-lens 2048,8000] [--dtypes float32,bfloat16]
         [--max-num-batched-tokens 2048] [--backends torch,cpu] [--repeats 3] [--threads N] [--result-json PATH]
@@ -51,33 +52,26 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
-def time_prompts(dtype: str, max_num_batched_tokens: int, prompt_lens: list[int], backends: list[str],
-                 repeats: int, threads: int | None) -> dict[str, dict[int, list[float]]]:
-    """Seconds of each run: backend -> prompt length -> ``repeats`` times (runs in a spawned process).
-
-    One engine per backend, all loaded first, then every repeat runs each prompt on each in turn.
-    """
+def time_prompts(dtype: str, max_num_batched_tokens: int, prompt_lens: list[int], backend: str, repeats: int,
+                 threads: int | None) -> dict[int, list[float]]:
+    """Seconds of each run: prompt length -> ``repeats`` times (runs in a spawned process)."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     if threads is not None:
         torch.set_num_threads(threads)
-    engines = {backend: LLM(dtype=dtype, attention_backend=backend, max_model_len=max(prompt_lens) + 1,
-                            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
-               for backend in backends}
-    vocab_size = next(iter(engines.values())).engine_core.config.model_config.hf_config.vocab_size
+    llm = LLM(dtype=dtype, attention_backend=backend, max_model_len=max(prompt_lens) + 1,
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+    vocab_size = llm.engine_core.config.model_config.hf_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    warmup = random_prompt(64, vocab_size, seed=-1)
-    for llm in engines.values():
-        llm.generate(warmup, params, use_tqdm=False)  # builds the kernels, touches the caches
-    times: dict[str, dict[int, list[float]]] = {backend: {n: [] for n in prompt_lens} for backend in backends}
+    llm.generate(random_prompt(64, vocab_size, seed=-1), params, use_tqdm=False)  # builds the kernels
+    times: dict[int, list[float]] = {n: [] for n in prompt_lens}
     for repeat in range(repeats):
         for n in prompt_lens:
             prompt = random_prompt(n, vocab_size, seed=repeat)
-            for backend, llm in engines.items():
-                start = time.perf_counter()
-                llm.generate(prompt, params, use_tqdm=False)
-                times[backend][n].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            times[n].append(time.perf_counter() - start)
     return times
 
 
@@ -124,10 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     context = multiprocessing.get_context("spawn")
     for dtype in args.dtypes.split(","):
         for budget in args.max_num_batched_tokens:
-            # A fresh process per configuration: no allocator state or warm cache carries over.
-            with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-                times = pool.submit(time_prompts, dtype, budget, args.prompt_lens, backends, args.repeats,
-                                    args.threads).result()
+            times = {}
+            for backend in backends:
+                # A fresh process per run: no allocator state or warm cache carries over.
+                with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+                    times[backend] = pool.submit(time_prompts, dtype, budget, args.prompt_lens, backend,
+                                                 args.repeats, args.threads).result()
             for n in args.prompt_lens:
                 result = {"prompt_len": n, "dtype": dtype, "max_num_batched_tokens": budget}
                 for backend in backends:
