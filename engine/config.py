@@ -88,8 +88,9 @@ class EngineArgs:
         None, "KV cache size (e.g. 2GiB); empty = on CPU 2GiB or half the memory left after loading the weights "
         "(cgroup limit included) when that is less, on CUDA from gpu_memory_utilization", "bytes")
     attention_backend: str = _arg(
-        "auto", "Paged attention implementation: auto = cpu on CPU, triton on CUDA; cpu = torch with a C decode "
-        "kernel (CPU only); triton = Triton kernels (CUDA only); torch = the plain torch reference (either)",
+        "auto", "Paged attention implementation: auto = cpu on CPU, triton on CUDA; cpu = C kernels for decodes "
+        "and prefill chunks (CPU only); triton = Triton kernels (CUDA only); torch = the plain torch reference "
+        "(either)",
         choices=("auto", "cpu", "torch", "triton"))
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
     tensor_parallel_size: int = _arg(

@@ -135,10 +135,18 @@ def test_backend_in_bfloat16_matches_reference(scenario: str, queries_per_kv: in
     torch.testing.assert_close(out.double(), expected, rtol=1.6e-2, atol=1e-2)
 
 
-def test_step_keys_and_values_land_in_their_slots() -> None:
-    query, key, value, kv_cache, metadata, _ = make_step([3, 1], [0, 20], NUM_KV_HEADS, 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("query_lens", [[3, 1], [1, 1]], ids=["mixed", "decode-only"])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_step_keys_and_values_land_in_their_slots(backend: str, query_lens: list[int], dtype: torch.dtype) -> None:
+    """Also where the CPU kernel writes them itself (a decode-only step), from views of a wider tensor
+    as the model hands them over (its QKV output)."""
+    query, key, value, kv_cache, metadata, _ = make_step(query_lens, [0, 20], NUM_KV_HEADS, 16)
+    query, kv_cache = query.to(dtype), kv_cache.to(dtype)
+    qkv = torch.cat([query, key, value], dim=1).to(dtype)
+    key, value = qkv[:, NUM_KV_HEADS:2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS:]
 
-    run_backend("torch", query, key, value, kv_cache, metadata, 1.0)
+    run_backend(backend, query, key, value, kv_cache, metadata, 1.0)
 
     slots = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)[:, metadata.slot_mapping]
     torch.testing.assert_close(slots, torch.stack([key, value]), rtol=0, atol=0)

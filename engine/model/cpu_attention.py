@@ -60,13 +60,15 @@ def load_kernel() -> ctypes.CDLL | None:
     for entry in _ENTRY_POINTS.values():
         function = getattr(lib, entry)
         function.restype = ctypes.c_int
-        function.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
-                             + [ctypes.c_int64] * 5 + [ctypes.c_float])
+        function.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+                             + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float])
     return lib
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                           seq_lens: torch.Tensor, scale: float,
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                           ) -> torch.Tensor | None:
     """Attention of one query token per request over its paged keys and values.
 
     Args:
@@ -75,11 +77,14 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         block_table: ``[num_reqs, max_blocks]`` int32, contiguous.
         seq_lens: ``[num_reqs]`` int32, keys each query attends to (>= 1).
         scale: softmax scale.
+        new_kv: the step's ``(key, value, slot_mapping)`` to write into the cache first: ``[num_reqs,
+            num_kv_heads, head_dim]`` each in the cache's dtype, heads contiguous (rows may be further apart,
+            as in a view of the QKV output), and ``[num_reqs]`` int64 slots. None: already in the cache.
 
     Returns:
         ``[num_reqs, num_heads, head_dim]`` in the query's dtype, or None when the
         kernel is unavailable or does not support this dtype or these shapes
-        (the caller falls back).
+        (the caller falls back; nothing was written then).
     """
     lib = load_kernel()
     entry = _ENTRY_POINTS.get(kv_cache.dtype)
@@ -87,12 +92,23 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         return None
     query_f32, kv_cache = query.float().contiguous(), kv_cache.contiguous()
     num_reqs, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     out = torch.empty_like(query_f32)
+    cache = kv_cache.data_ptr()
+    values_offset = num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
+    new_keys = new_values = slots = None
+    keys_stride = values_stride = 0
+    if new_kv is not None:
+        key, value, slot_mapping = new_kv
+        key, value = (t if t.dtype == kv_cache.dtype and t.stride(2) == 1 and t.stride(1) == head_dim
+                      else t.to(kv_cache.dtype).contiguous() for t in (key, value))
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        new_keys, new_values, slots = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
+        keys_stride, values_stride = key.stride(0), value.stride(0)
     status = getattr(lib, entry)(
-        query_f32.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
-        block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim,
-        block_size, scale)
+        query_f32.data_ptr(), new_keys, new_values, keys_stride, values_stride, slots, cache, cache + values_offset,
+        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
+        num_kv_heads, head_dim, block_size, scale)
     if status != 0:
         _warn_unsupported(num_heads // num_kv_heads, head_dim, block_size)
         return None
@@ -219,6 +235,15 @@ class CpuAttentionBackend(AttentionBackend):
         """See ``TorchAttentionBackend.forward``."""
         # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
         with region("attention"), all_threads():
+            if (metadata.all_decode and query.shape[0] == metadata.num_actual_tokens
+                    and kv_cache.shape[2] == self.block_size):
+                # A decode-only step (every single-user step): the kernel writes the step's keys and values
+                # itself, a few tensor ops fewer per layer than the torch backend's plan.
+                decodes = metadata.decodes
+                out = paged_decode_attention(query, kv_cache, decodes.block_table, decodes.seq_lens, scale,
+                                             (key, value, metadata.slot_mapping))
+                if out is not None:
+                    return out
             return self._torch.run(query, key, value, kv_cache, metadata, scale, self._decode, self._prefill)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,

@@ -408,6 +408,42 @@ static inline int softmax_amx(buffers_t *b, const float *scores, uint16_t *probs
     return moved;
 }
 
+/* Tiles 0-3, a 16 x 64 fp32 block, += a . b over `depth` (a multiple of 32): `a` is 16 rows of bf16,
+   `a_stride` elements apart; `b` is bf16 pairs packed as 32-bit words (AMX's VNNI layout), depth / 2
+   rows of `b_stride` words. Tiles 4-6 are scratch. */
+static inline __attribute__((always_inline)) void amx_accumulate_16x64(const uint16_t *a, int64_t a_stride,
+                                                                       const uint32_t *b, int64_t b_stride,
+                                                                       int64_t depth) {
+    for (int64_t k0 = 0; k0 < depth; k0 += 32) {
+        const uint32_t *bt = b + k0 / 2 * b_stride;
+        _tile_loadd(4, a + k0, a_stride * 2);
+        _tile_loadd(5, bt, b_stride * 4);
+        _tile_loadd(6, bt + 16, b_stride * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, bt + 32, b_stride * 4);
+        _tile_loadd(6, bt + 48, b_stride * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+}
+
+/* Tiles 0-3 from a 16 x 64 fp32 block whose rows are `stride` floats apart. */
+static inline __attribute__((always_inline)) void amx_load_16x64(const float *c, int64_t stride) {
+    _tile_loadd(0, c, stride * 4);
+    _tile_loadd(1, c + 16, stride * 4);
+    _tile_loadd(2, c + 32, stride * 4);
+    _tile_loadd(3, c + 48, stride * 4);
+}
+
+/* Tiles 0-3 out to a 16 x 64 fp32 block whose rows are `stride` floats apart. */
+static inline __attribute__((always_inline)) void amx_store_16x64(float *c, int64_t stride) {
+    _tile_stored(0, c, stride * 4);
+    _tile_stored(1, c + 16, stride * 4);
+    _tile_stored(2, c + 32, stride * 4);
+    _tile_stored(3, c + 48, stride * 4);
+}
+
 /* One task on AMX (see attend_tile; bf16 caches, head_dim a multiple of 64). */
 static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, const problem_t *p,
                                                                   const int32_t *blocks, int64_t row_start,
@@ -473,22 +509,8 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
-                const uint32_t *kt = keys + d0 / 2 * KEY_TILE;
-                _tile_loadd(4, queries + row0 * head_dim + d0, head_dim * 2);
-                _tile_loadd(5, kt, KEY_TILE * 4);
-                _tile_loadd(6, kt + 16, KEY_TILE * 4);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(5, kt + 32, KEY_TILE * 4);
-                _tile_loadd(6, kt + 48, KEY_TILE * 4);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_dpbf16ps(3, 4, 6);
-            }
-            _tile_stored(0, scores, KEY_TILE * 4);
-            _tile_stored(1, scores + 16, KEY_TILE * 4);
-            _tile_stored(2, scores + 32, KEY_TILE * 4);
-            _tile_stored(3, scores + 48, KEY_TILE * 4);
+            amx_accumulate_16x64(queries + row0 * head_dim, head_dim, keys, KEY_TILE, head_dim);
+            amx_store_16x64(scores, KEY_TILE);
             /* Outputs of the 16 rows: rescaled when a max moved, then plus probabilities x values,
                64 channels (four accumulator tiles) at a time. */
             if (softmax_amx(b, scores, probs, row0, key_start, masked, log2e_scale))
@@ -500,26 +522,9 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
                 }
             for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
                 float *o = outputs + row0 * head_dim + d0;
-                _tile_loadd(0, o, head_dim * 4);
-                _tile_loadd(1, o + 16, head_dim * 4);
-                _tile_loadd(2, o + 32, head_dim * 4);
-                _tile_loadd(3, o + 48, head_dim * 4);
-                for (int64_t k0 = 0; k0 < KEY_TILE; k0 += 32) {
-                    const uint32_t *vt = values + k0 / 2 * head_dim + d0;
-                    _tile_loadd(4, probs + k0, KEY_TILE * 2);
-                    _tile_loadd(5, vt, head_dim * 4);
-                    _tile_loadd(6, vt + 16, head_dim * 4);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(1, 4, 6);
-                    _tile_loadd(5, vt + 32, head_dim * 4);
-                    _tile_loadd(6, vt + 48, head_dim * 4);
-                    _tile_dpbf16ps(2, 4, 5);
-                    _tile_dpbf16ps(3, 4, 6);
-                }
-                _tile_stored(0, o, head_dim * 4);
-                _tile_stored(1, o + 16, head_dim * 4);
-                _tile_stored(2, o + 32, head_dim * 4);
-                _tile_stored(3, o + 48, head_dim * 4);
+                amx_load_16x64(o, head_dim);
+                amx_accumulate_16x64(probs, KEY_TILE, values + d0, head_dim, KEY_TILE);
+                amx_store_16x64(o, head_dim);
             }
         }
     }
