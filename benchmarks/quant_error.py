@@ -10,7 +10,10 @@ the model runner's path without its scheduler). For every position of every
 window the next-token distribution is compared with that of the reference,
 the embedded SmolLM2 in float32 as the engine loads it without
 ``--quantization`` (the GGUF dequantized): mean KL(reference || quantized) in
-nats, top-1 agreement (same argmax), and each model's perplexity on the text.
+nats, top-1 agreement (same argmax), each model's perplexity on the text, and
+where the argmax differs, how far apart the reference's logits of the two
+tokens were (the "flipped gap": p99 and max; a greedy comparison's near-tie
+tolerance must cover it).
 
 Each quantized model runs two ways, as the engine does:
 
@@ -36,10 +39,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -137,20 +141,38 @@ class Divergence:
     kl_sum: float = 0.0
     top1_same: int = 0
     nll_sum: float = 0.0
+    # Where the argmax differs: the reference's logit of its top-1 minus its logit of ours. A greedy
+    # comparison that allows divergences at gaps up to g (a near-tie) passes when g covers these.
+    flipped_gaps: list[float] = field(default_factory=list)
 
     def add(self, reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """Add positions: ``reference`` and ``logits`` ``[T, vocab]``, ``targets`` ``[T]`` the next tokens."""
         ref_logp, logp = reference.log_softmax(-1), logits.log_softmax(-1)
+        ref_top, top = reference.argmax(-1), logits.argmax(-1)
+        flipped = (ref_top != top).nonzero().flatten()
         self.positions += len(targets)
         self.kl_sum += float((ref_logp.exp() * (ref_logp - logp)).sum(-1).sum())
-        self.top1_same += int((reference.argmax(-1) == logits.argmax(-1)).sum())
+        self.top1_same += len(targets) - len(flipped)
         self.nll_sum += float(-logp.gather(1, targets[:, None]).sum())
+        self.flipped_gaps += (reference[flipped, ref_top[flipped]] - reference[flipped, top[flipped]]).tolist()
+
+    def merge(self, other: Divergence) -> None:
+        """Add ``other``'s positions to these."""
+        self.positions += other.positions
+        self.kl_sum += other.kl_sum
+        self.top1_same += other.top1_same
+        self.nll_sum += other.nll_sum
+        self.flipped_gaps += other.flipped_gaps
 
     def summary(self) -> dict[str, float]:
-        """``mean_kl`` (nats per token), ``top1_agreement`` (fraction), ``perplexity``."""
+        """``mean_kl`` (nats per token), ``top1_agreement`` (fraction), ``perplexity``, and where the argmax
+        differs, the reference's logit of its top-1 minus its logit of ours: ``flipped_gap_p99`` (nearest
+        rank) and ``flipped_gap_max`` (0 where the argmax never differs)."""
+        gaps = sorted(self.flipped_gaps) or [0.0]
         # KL is >= 0; two identical distributions can sum to -1e-10 in float32.
         return {"mean_kl": max(0.0, self.kl_sum / self.positions), "top1_agreement": self.top1_same / self.positions,
-                "perplexity": float(torch.tensor(self.nll_sum / self.positions).exp())}
+                "perplexity": float(torch.tensor(self.nll_sum / self.positions).exp()),
+                "flipped_gap_p99": gaps[math.ceil(0.99 * len(gaps)) - 1], "flipped_gap_max": gaps[-1]}
 
 
 def divergence(reference: torch.Tensor, logits: torch.Tensor, ids: list[int]) -> Divergence:
@@ -204,9 +226,7 @@ def run(window: int, min_tokens: int, dtypes: list[str]) -> dict:
             use_kernel(model, v.path == "decode")
             logits = window_logits(model, part, KERNEL_MAX_ROWS if v.path == "decode" else None)
             seconds[v] += time.perf_counter() - start
-            d = divergence(reference, logits, part)
-            for name in ("positions", "kl_sum", "top1_same", "nll_sum"):
-                setattr(totals[v], name, getattr(totals[v], name) + getattr(d, name))
+            totals[v].merge(divergence(reference, logits, part))
         print(f"window {number}/{len(windows)} done", file=sys.stderr, flush=True)
     return {
         "text": f"pydoc_data.topics (Python {platform.python_version()}), values in sorted key order",
@@ -221,13 +241,15 @@ def run(window: int, min_tokens: int, dtypes: list[str]) -> dict:
 
 def markdown(report: dict) -> str:
     """The report as the README's table."""
-    lines = ["| model | activations | path | mean KL (nats/token) | top-1 agreement | perplexity | weights MiB |",
-             "| --- | --- | --- | --- | --- | --- | --- |",
-             f"| float32 (reference) | float32 | prefill | 0 | 1 | {report['reference_perplexity']:.3f} | "
+    lines = ["| model | activations | path | mean KL (nats/token) | top-1 agreement | flipped gap p99 / max "
+             "| perplexity | weights MiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |",
+             f"| float32 (reference) | float32 | prefill | 0 | 1 | – | {report['reference_perplexity']:.3f} | "
              f"{report['reference_weight_bytes'] / 2**20:.0f} |"]
     for row in report["rows"]:
         lines.append(f"| {row['quantization'] or 'bfloat16'} | {row['dtype']} | {row['path']} | {row['mean_kl']:.5f} "
-                     f"| {row['top1_agreement']:.4f} | {row['perplexity']:.3f} | {row['weight_bytes'] / 2**20:.0f} |")
+                     f"| {row['top1_agreement']:.4f} | {row['flipped_gap_p99']:.3f} / {row['flipped_gap_max']:.3f} "
+                     f"| {row['perplexity']:.3f} | {row['weight_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from engine.model.attention import (
     check_attention_backend,
     get_attention_backend,
 )
+from engine.model.torch_attention import TorchAttentionBackend
 from tests.model_fixtures import build_metadata
 
 NUM_KV_HEADS = 2
@@ -138,13 +139,20 @@ def test_backend_in_bfloat16_matches_reference(scenario: str, queries_per_kv: in
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_lens", [[3, 1], [1, 1]], ids=["mixed", "decode-only"])
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_step_keys_and_values_land_in_their_slots(backend: str, query_lens: list[int], dtype: torch.dtype) -> None:
-    """Also where the CPU kernel writes them itself (a decode-only step), from views of a wider tensor
-    as the model hands them over (its QKV output)."""
-    query, key, value, kv_cache, metadata, _ = make_step(query_lens, [0, 20], NUM_KV_HEADS, 16)
+def test_step_keys_and_values_land_in_their_slots(backend: str, query_lens: list[int], dtype: torch.dtype,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also where the CPU kernel writes them itself (a decode-only step: the torch plan must not run), from
+    views of a wider tensor as the model hands them over (its QKV output)."""
+    from engine.model.cpu_attention import load_kernel
+
+    query, key, value, kv_cache, metadata, _ = make_step(query_lens, [0, 20], NUM_KV_HEADS * 2, 16)
     query, kv_cache = query.to(dtype), kv_cache.to(dtype)
+    heads = query.shape[1]
     qkv = torch.cat([query, key, value], dim=1).to(dtype)
-    key, value = qkv[:, NUM_KV_HEADS:2 * NUM_KV_HEADS], qkv[:, 2 * NUM_KV_HEADS:]
+    key, value = qkv[:, heads:heads + NUM_KV_HEADS], qkv[:, heads + NUM_KV_HEADS:]
+    if backend == "cpu" and query_lens == [1, 1]:
+        assert load_kernel() is not None
+        monkeypatch.setattr(TorchAttentionBackend, "run", lambda *args: pytest.fail("the torch plan ran"))
 
     run_backend(backend, query, key, value, kv_cache, metadata, 1.0)
 

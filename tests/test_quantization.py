@@ -7,12 +7,15 @@ be bit for bit those of the float path (the converted folder's safetensors),
 and its greedy output that of transformers in float32 up to near-ties when
 its products dequantize and run a float GEMM (the CUDA path, forced here). The
 CPU decode kernel also quantizes the activations (``quant_kernels``): its
-error is bounded by KL instead.
+greedy output may part from float32's only at the wider near-ties that
+rounding makes (``KERNEL_NEAR_TIE``, measured by ``benchmarks.quant_error``),
+and its error is bounded by KL too.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 
 import numpy as np
 import pytest
@@ -41,6 +44,10 @@ CPU = torch.device("cpu")
 Q4_0, Q4_1, Q8_0, F16 = (GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "F16"))
 GREEDY_PROMPT_LENGTHS = [5, 17, 40, 96]
 GREEDY_TOKENS = 10
+#: Logits by which the C kernel's greedy token may trail the float32 path's best where the two differ: its int8
+#: activations move logits by up to about 1; ``python -m benchmarks.quant_error`` measures this "flipped gap" over
+#: 20k tokens (row "gguf float32 decode": p99 XXX, max YYY).
+KERNEL_NEAR_TIE = 0.6
 
 
 def gguf_tensor(rows: int, cols: int, qtype: GGMLQuantizationType, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -191,17 +198,19 @@ def float_model():
     return load_model(folder, load_hf_config(folder), torch.float32, CPU)
 
 
-def test_gguf_greedy_on_the_dequantize_path_matches_float32_up_to_near_ties(gguf_llm, gguf_model,
-                                                                            float_model) -> None:
+@pytest.mark.parametrize("kernel", [False, True], ids=["dequantize", "kernel"])
+def test_gguf_greedy_matches_float32_up_to_near_ties(gguf_llm, gguf_model, float_model, kernel) -> None:
     """The blocks dequantized and multiplied in float32 (the CUDA path, forced on the CPU) are the float
-    path's weights: greedy output equals the float32 path's but at float32 near-ties. The float32 logits
-    are those of our output, teacher-forced: up to the first difference that is the float path's own run."""
+    path's weights: greedy output equals the float32 path's but at float32 near-ties. The C kernel rounds
+    the activations to int8 too: its output may part from the float path's only where the float path's
+    logit of its token exceeds that of ours by at most ``KERNEL_NEAR_TIE``. The float32 logits are those
+    of our output, teacher-forced: up to the first difference that is the float path's own run."""
     from benchmarks.gpu.greedy_parity import compare_greedy, greedy_verdict
     from tests.test_llm import TEXT
 
     ids = gguf_llm.tokenizer.encode(TEXT * 4)
     prompts = [ids[i * 7:i * 7 + n] for i, n in enumerate(GREEDY_PROMPT_LENGTHS)]
-    use_kernel(gguf_model, False)
+    use_kernel(gguf_model, kernel)
     try:
         outputs = gguf_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS,
                                                             ignore_eos=True), use_tqdm=False)
@@ -212,7 +221,11 @@ def test_gguf_greedy_on_the_dequantize_path_matches_float32_up_to_near_ties(gguf
         ours = list(output.outputs[0].token_ids)
         logits = window_logits(float_model, prompt + ours)[len(prompt) - 1:-1].numpy()
         comparisons.append(compare_greedy(ours, logits.argmax(-1).tolist(), logits))
-    assert greedy_verdict(comparisons, "float32") == "pass", comparisons
+    if kernel:
+        assert all(c["identical"] or c.get("engine_token_deficit", math.inf) <= KERNEL_NEAR_TIE
+                   for c in comparisons), comparisons
+    else:
+        assert greedy_verdict(comparisons, "float32") == "pass", comparisons
 
 
 def test_gguf_decode_kernel_keeps_the_next_token_distributions(gguf_llm, gguf_model) -> None:

@@ -88,11 +88,12 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     """
     lib = load_kernel()
     entry = _ENTRY_POINTS.get(kv_cache.dtype)
-    if lib is None or entry is None:
+    # A non-contiguous cache would be read through a copy, and writes into that copy lost.
+    if lib is None or entry is None or (new_kv is not None and not kv_cache.is_contiguous()):
         return None
     query_f32, kv_cache = query.float().contiguous(), kv_cache.contiguous()
-    num_reqs, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs, num_heads, _ = query.shape
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     out = torch.empty_like(query_f32)
     cache = kv_cache.data_ptr()
     values_offset = num_blocks * block_size * num_kv_heads * head_dim * kv_cache.element_size()
@@ -206,8 +207,9 @@ def _warn_prefill_unsupported(group: int, head_dim: int) -> None:
 
 @register_backend("cpu")
 class CpuAttentionBackend(AttentionBackend):
-    """Paged attention on the CPU: a ``TorchAttentionBackend`` for the step's plan and the cache write;
-    decodes and prefill chunks in the C kernels when they are available, else on the torch path.
+    """Paged attention on the CPU: a ``TorchAttentionBackend`` for the step's plan and the cache write (in a
+    decode-only step the decode kernel writes the step's keys and values itself); decodes and prefill chunks
+    in the C kernels when they are available, else on the torch path.
 
     Args:
         block_size: tokens per block of the KV caches ``forward`` will be given.
@@ -235,8 +237,7 @@ class CpuAttentionBackend(AttentionBackend):
         """See ``TorchAttentionBackend.forward``."""
         # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
         with region("attention"), all_threads():
-            if (metadata.all_decode and query.shape[0] == metadata.num_actual_tokens
-                    and kv_cache.shape[2] == self.block_size):
+            if metadata.decode_only(query) and kv_cache.shape[2] == self.block_size:
                 # A decode-only step (every single-user step): the kernel writes the step's keys and values
                 # itself, a few tensor ops fewer per layer than the torch backend's plan.
                 decodes = metadata.decodes

@@ -98,6 +98,11 @@ class TorchAttentionMetadata(AttentionMetadata):
         """Every request of the step has a single query token."""
         return self.decodes is not None and not self.prefills
 
+    def decode_only(self, query: torch.Tensor) -> bool:
+        """``all_decode``, and ``query`` (``[T, H, D]``) has no padding rows past the step's tokens: its rows
+        are the decodes in order."""
+        return self.all_decode and query.shape[0] == self.num_actual_tokens
+
 
 #: Attention of the one-token queries: (query [num_decodes, H, D], kv_cache, metadata, scale) -> same shape.
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, TorchAttentionMetadata, float], torch.Tensor]
@@ -195,7 +200,7 @@ class TorchAttentionBackend(AttentionBackend):
         slots[0].index_copy_(0, metadata.slot_mapping[:num_tokens], key[:num_tokens])
         slots[1].index_copy_(0, metadata.slot_mapping[:num_tokens], value[:num_tokens])
 
-        if metadata.all_decode and query.shape[0] == num_tokens:
+        if metadata.decode_only(query):
             return decode(query, kv_cache, metadata, scale)
         output = prefill(query, key, value, kv_cache, metadata, scale) if metadata.prefills else torch.zeros_like(query)
         if metadata.decodes is not None:

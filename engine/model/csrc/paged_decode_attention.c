@@ -23,7 +23,8 @@
  *   block_table  [num_reqs, block_table_stride] int32
  *   seq_lens     [num_reqs] int32 (keys to attend, >= 1)
  *   out          [num_reqs, num_heads, head_dim] fp32
- * Both entry points return 0, or -1 when the shapes exceed the fixed buffers.
+ * Both entry points return 0, or -1 when the shapes exceed the fixed buffers (and
+ * then have written nothing).
  */
 #include <math.h>
 #include <omp.h>
