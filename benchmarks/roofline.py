@@ -6,8 +6,10 @@ real forward pass) at 16, 128 and 512 token rows, in each dtype the engine can
 serve in (bf16 runs on the CPU's bf16 dot-product instructions where it has
 them, so its peak is its own), through the engine's own linear layer and the
 linear method it picks (weights packed for oneDNN as the engine packs them).
-Bandwidth is a large tensor copy. Both use as many torch threads as this
-process may use cores.
+Bandwidth is measured twice: a large tensor copy, and a matrix-vector product
+over a matrix far larger than any cache (what a batch-1 decode step does to
+each weight: read it once), which sets the decode bound. All use as many torch
+threads as this process may use cores.
 
     python -m benchmarks.roofline --result-json benchmarks/results/roofline.json
 """
@@ -124,6 +126,18 @@ def measure_bandwidth(num_bytes: int = 512 * 2**20, min_time_s: float = 1.0) -> 
     return 2 * num_bytes / _best_time_s(lambda: dst.copy_(src), min_time_s)
 
 
+def measure_gemv_bandwidth(num_bytes: int = 256 * 2**20, min_time_s: float = 1.0) -> float:
+    """Sustained read bandwidth of an fp32 matrix-vector product (``torch.mv``), in bytes/s.
+
+    The matrix (``num_bytes``, 4,096 columns) is read once per product and is far
+    larger than any cache; the vectors are negligible.
+    """
+    torch.set_num_threads(num_threads())
+    matrix = torch.rand(num_bytes // 4 // 4096, 4096)
+    vector = torch.rand(4096)
+    return num_bytes / _best_time_s(lambda: torch.mv(matrix, vector), min_time_s)
+
+
 def model_flops_utilisation(prompt_tokens: int, output_tokens: int, non_embedding_params: int,
                             all_params: int, duration_s: float, peak_flops: float) -> float:
     """Fraction of ``peak_flops`` (FLOP/s) a run's useful model FLOPs amount to.
@@ -174,6 +188,7 @@ def measure_roofline(min_time_s: float = 1.0) -> dict[str, object]:
         "matmul_flops": {name: {str(m): f for m, f in by_rows.items()} for name, by_rows in flops.items()},
         "peak_matmul_flops": {name: max(by_rows.values()) for name, by_rows in flops.items()},
         "bandwidth_bytes_per_s": measure_bandwidth(min_time_s=min_time_s),
+        "gemv_bandwidth_bytes_per_s": measure_gemv_bandwidth(min_time_s=min_time_s),
     }
 
 
@@ -184,6 +199,7 @@ def format_roofline(roofline: dict[str, object]) -> str:
               for name, by_rows in roofline["matmul_flops"].items()  # type: ignore[union-attr]
               for m, f in by_rows.items()]
     lines.append(f"memory bandwidth (copy):  {roofline['bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s")  # type: ignore[operator]
+    lines.append(f"memory bandwidth (GEMV):  {roofline['gemv_bandwidth_bytes_per_s'] / 1e9:8.1f} GB/s")  # type: ignore[operator]
     return "\n".join(lines)
 
 

@@ -282,7 +282,7 @@ def add_derived_metrics(run: dict[str, Any], spec: ServerSpec, weights: WeightSt
     run["decode_weight_bytes"] = weight_bytes
     if run["max_concurrency"] == 1:
         run["bandwidth_bound_ms_per_token"] = 1000 * decode_bandwidth_bound_s(
-            weight_bytes, roofline["bandwidth_bytes_per_s"])
+            weight_bytes, roofline["gemv_bandwidth_bytes_per_s"])
 
 
 def _row(run: dict[str, Any]) -> str:
@@ -303,7 +303,7 @@ def _row(run: dict[str, Any]) -> str:
 def markdown_report(report: dict[str, Any]) -> str:
     """The human-readable report: machine, roofline, scenarios, one table row per run, skips."""
     machine, roof, weights = report["machine"], report["roofline"], report["model"]
-    bw = roof["bandwidth_bytes_per_s"]
+    bw = roof["gemv_bandwidth_bytes_per_s"]
     rows = " / ".join(next(iter(roof["matmul_flops"].values())))
     flops = "; ".join(f"{name} " + " / ".join(f"{f / 1e9:.1f}" for f in by_rows.values())
                       + f" (peak {roof['peak_matmul_flops'][name] / 1e9:.1f})"
@@ -320,7 +320,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"{4 * weights['all_params'] / 1e6:.1f} MB in fp32).",
         "",
         f"Roofline: matmul at the model's GEMMs, M = {rows} token rows, GFLOP/s: {flops}; memory bandwidth "
-        f"(copy) {bw / 1e9:.1f} GB/s. Batch-1 decode bound: {bounds}, "
+        f"(copy) {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, read by a matrix-vector product {bw / 1e9:.1f} "
+        f"GB/s. Batch-1 decode bound (weights / GEMV bandwidth): {bounds}, "
         f"{1000 * decode_bandwidth_bound_s(weights['weight_bytes'], bw):.1f} ms/token with the GGUF's.",
         "",
         "Scenarios:", *[f"- {line}" for line in report["scenarios"]], "",
@@ -333,7 +334,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         "MFU = (prompt tokens × 2 × non-embedding params + output tokens × 2 × all params) / duration "
         "/ peak matmul FLOP/s in the server's compute dtype (bf16 peak for pagedserve-bf16, fp32 for the "
         "rest; llama.cpp computes in its quantized kernels, so its MFU is against the fp32 peak). "
-        "BW bound = weight bytes a decode step reads / copy bandwidth (concurrency 1 only); compare with TPOT. "
+        "BW bound = weight bytes a decode step reads / GEMV bandwidth (concurrency 1 only); compare with TPOT. "
         "Draft acceptance = accepted / drafted tokens over the run (speculative decoding, the *-ngram servers). "
         "A long-prompt scenario's time to answer is its E2E latency. "
         "A mean output length under the scenario's means the server stopped "
