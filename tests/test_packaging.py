@@ -25,7 +25,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist,
                     ROOT], check=True, timeout=300, cwd=dist)
     wheel = next(dist.glob("pagedserve-*.whl"))
-    assert "engine/model/csrc/paged_decode_attention.c" in zipfile.ZipFile(wheel).namelist()
+    sources = {f"engine/model/csrc/{path.name}" for path in (ROOT / "engine" / "model" / "csrc").glob("*.c")}
+    assert len(sources) == 4 and sources <= set(zipfile.ZipFile(wheel).namelist())  # every C kernel ships
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", target,
                     wheel], check=True, timeout=300)
     return target
