@@ -101,8 +101,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     keys_stride = values_stride = 0
     if new_kv is not None:
         key, value, slot_mapping = new_kv
-        key, value = (t if t.dtype == kv_cache.dtype and t.stride(2) == 1 and t.stride(1) == head_dim
-                      else t.to(kv_cache.dtype).contiguous() for t in (key, value))
+        key, value = (_heads_contiguous(t, kv_cache.dtype) for t in (key, value))
         slot_mapping = slot_mapping.to(torch.int64).contiguous()
         new_keys, new_values, slots = key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr()
         keys_stride, values_stride = key.stride(0), value.stride(0)
@@ -114,6 +113,13 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         _warn_unsupported(num_heads // num_kv_heads, head_dim, block_size)
         return None
     return out.to(query.dtype)
+
+
+def _heads_contiguous(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` ``[N, heads, head_dim]`` in ``dtype`` with each row's heads contiguous, as the kernels read them
+    (rows may lie further apart, as in a view of the QKV output): itself where it already is, else a copy."""
+    rows = rows.to(dtype)
+    return rows if rows.stride(2) == 1 and rows.stride(1) == rows.shape[2] else rows.contiguous()
 
 
 @cache
@@ -181,9 +187,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefill
         return None
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    rows = query.to(kv_cache.dtype)
-    if rows.stride(2) != 1 or rows.stride(1) != head_dim:
-        rows = rows.contiguous()
+    rows = _heads_contiguous(query, kv_cache.dtype)
     kv_cache = kv_cache.contiguous()
     out = torch.empty_like(rows, memory_format=torch.contiguous_format)
     block_table = prefills.block_table
