@@ -17,7 +17,7 @@ IMAGE ?= pagedserve:latest
 DEVICE ?= cpu
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install install-test install-chromium test serve lint bench image test-image clean
+.PHONY: install install-test install-chromium test test-fast serve lint bench image test-image clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,12 @@ install-chromium:
 			"the browser tests will skip: apt-get install chromium"; \
 	fi
 
+# Every tier (README, "Tests"); `make test-fast` runs the unit tests alone, for the inner loop.
 test: install-test install-chromium
 	$(BIN)/python -m pytest -q tests
+
+test-fast: install-test
+	$(BIN)/python -m pytest -q -m fast tests
 
 serve: install
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) --config $(CONFIG) $(ARGS)

@@ -58,6 +58,55 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_waiting_requests`` allows."""
 
 
+class StreamBacklogError(RuntimeError):
+    """A request's consumer fell more than ``max_stream_backlog_tokens`` output tokens behind (a client that
+    stopped reading its stream); the request was aborted."""
+
+
+class _OutputStream:
+    """One request's outputs (or the error that ends it) on their way from the engine to its consumer.
+
+    Args:
+        max_backlog_tokens: most output tokens (all choices together) held for a consumer that has not taken
+            them; an output the consumer would take at once is always accepted (a final output may be large).
+    """
+
+    def __init__(self, max_backlog_tokens: int) -> None:
+        self.max_backlog_tokens = max_backlog_tokens
+        self.backlog_tokens = 0  # in the queue
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> bool:
+        """Queue ``output``; False, queueing nothing, when that would hold more than ``max_backlog_tokens``."""
+        num_tokens = _num_tokens(output)
+        if not self._queue.empty() and self.backlog_tokens + num_tokens > self.max_backlog_tokens:
+            return False
+        self.backlog_tokens += num_tokens
+        self._queue.put_nowait(output)
+        return True
+
+    def put_nowait(self, error: BaseException) -> None:
+        """Queue ``error``, which the consumer raises once it has taken the outputs before it."""
+        self._queue.put_nowait(error)
+
+    def fail_now(self, error: BaseException) -> None:
+        """Drop the outputs not taken (their memory is freed now) and queue ``error``."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self.backlog_tokens = 0
+        self._queue.put_nowait(error)
+
+    async def get(self) -> RequestOutput | BaseException:
+        item = await self._queue.get()
+        if isinstance(item, RequestOutput):
+            self.backlog_tokens -= _num_tokens(item)
+        return item
+
+
+def _num_tokens(output: RequestOutput) -> int:
+    return sum(len(completion.token_ids) for completion in output.outputs)
+
+
 @dataclass
 class _AddRequest:
     request: EngineCoreRequest
@@ -72,6 +121,10 @@ class _AbortRequests:
 
 class _Stop:
     pass
+
+
+class _CheckHealth:
+    """Sent when a worker process died: the engine thread raises why (``EngineCore.check_health``) and stops."""
 
 
 @dataclass
@@ -119,10 +172,11 @@ class AsyncLLM:
         self.max_model_len = config.model_config.max_model_len
         self.default_sampling_params = config.model_config.generation_defaults
         self._max_waiting_requests = config.args.max_waiting_requests
+        self._max_stream_backlog_tokens = config.args.max_stream_backlog_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._loop = loop
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _OutputStream] = {}
         # Engine-core requests put on the input queue (event loop), and applied by the engine thread (its own
         # count, and the count it shipped with the latest stats): their difference is still queued.
         self._num_submitted = 0
@@ -139,6 +193,9 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._dead = asyncio.Event()  # set on the event loop once the engine has failed
         self._accepting = True
+        # A tensor-parallel rank that dies while the engine is idle wakes it, so that /health turns 503 (and the
+        # CLI exits) without waiting for a request.
+        engine_core.register_failure_callback(lambda: self._inputs.put(_CheckHealth()))
         self._thread = threading.Thread(target=self._run_engine_loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -184,10 +241,13 @@ class AsyncLLM:
             with contextlib.suppress(RuntimeError):  # the event loop may already be closed
                 self._loop.call_soon_threadsafe(self._fail_all, exc)
 
-    def _apply(self, item: _AddRequest | _AbortRequests | _SnapshotKVCache | _Stop) -> bool:
+    def _apply(self, item: _AddRequest | _AbortRequests | _SnapshotKVCache | _CheckHealth | _Stop) -> bool:
         """Apply one input on the engine thread; True means stop the loop."""
         if isinstance(item, _Stop):
             return True
+        if isinstance(item, _CheckHealth):
+            self.engine_core.check_health()  # raises why the worker died, which stops the engine
+            return False
         if isinstance(item, _SnapshotKVCache):
             try:
                 snapshot = self.engine_core.kv_cache_snapshot()
@@ -238,8 +298,8 @@ class AsyncLLM:
                     self._inputs.put(_AbortRequests(request_ids, reason))
         for request_output in processed.request_outputs:
             stream = self._streams.get(request_output.request_id)
-            if stream is not None:
-                stream.put_nowait(request_output)
+            if stream is not None and not stream.put(request_output):
+                self._abort_behind(request_output.request_id, stream)
         for request_id, error in processed.failed.items():
             self._fail_request(request_id, error)
         self._record(scheduler_stats, self._request_stats.make_iteration_stats(
@@ -248,6 +308,16 @@ class AsyncLLM:
     def _record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         for stat_logger in self._stat_loggers:
             stat_logger.record(scheduler_stats, iteration_stats)
+
+    def _abort_behind(self, request_id: str, stream: _OutputStream) -> None:
+        """Abort a request whose consumer has fallen ``max_stream_backlog_tokens`` behind, freeing its KV blocks
+        and the outputs it was not reading: a client that stops reading must not hold memory without bound."""
+        logger.warning("aborting request %s: its client is more than %d output tokens behind", request_id,
+                       self._max_stream_backlog_tokens)
+        self._abort(request_id)
+        stream.fail_now(StreamBacklogError(
+            f"request {request_id} was aborted: its client fell more than {self._max_stream_backlog_tokens} "
+            "output tokens behind (max_stream_backlog_tokens)"))
 
     def _fail_request(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -270,8 +340,10 @@ class AsyncLLM:
         """Run one request and yield its outputs as tokens arrive.
 
         ``n > 1`` runs as sibling requests that share the prompt's cached KV
-        blocks; ``CompletionOutput.index`` tells them apart. Closing the
-        iterator early (e.g. the client disconnected) aborts the request.
+        blocks (only the first computes prompt logprobs: ``OutputProcessor.add_request``);
+        ``CompletionOutput.index`` tells them apart. Closing the
+        iterator early (e.g. the client disconnected) aborts the request; so does
+        a consumer that falls more than ``max_stream_backlog_tokens`` output tokens behind.
 
         Args:
             request: made by ``self.processor``, which checked it.
@@ -283,6 +355,7 @@ class AsyncLLM:
             QueueFullError: too many requests waiting.
             EngineDeadError: the engine is not running.
             RequestFailedError: the engine failed this request alone (it goes on with the others).
+            StreamBacklogError: the consumer fell too far behind; the request was aborted.
             InvalidRequestError: (``structured_outputs``) its grammar outgrew llguidance's limits while
                 generating.
         """
@@ -292,7 +365,7 @@ class AsyncLLM:
             raise QueueFullError(f"more than {self._max_waiting_requests} requests are waiting; retry later")
         children = self.output_processor.add_request(request_id, request.prompt, request.prompt_token_ids,
                                                      request.sampling_params, output_kind)
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _OutputStream(self._max_stream_backlog_tokens)
         self._streams[request_id] = stream
         self._request_stats.add_request([child_id for child_id, _ in children], len(request.prompt_token_ids),
                                         time.monotonic())

@@ -103,6 +103,10 @@ class EngineArgs:
         "max_tokens), vllm or none = the engine's own, or a folder holding a generation_config.json")
     max_waiting_requests: int = _arg(
         1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
+    max_stream_backlog_tokens: int = _arg(
+        16384, "Most output tokens a request may hold that its client has not read (all its choices together); a "
+        "client further behind (one that stopped reading its stream) has its request aborted, freeing its KV "
+        "blocks and memory", "tokens")
     step_record_buffer_size: int = _arg(
         2048, "Step records kept for the dashboard (/dashboard, /v1/dashboard/*); 0 = no records", "steps")
     speculative_config: dict | str | None = _arg(
@@ -116,7 +120,7 @@ class EngineArgs:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
-                    "max_waiting_requests", "tensor_parallel_size")
+                    "max_waiting_requests", "max_stream_backlog_tokens", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.config import EngineConfig, SpeculativeConfig
@@ -176,6 +177,15 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Have ``callback`` called, from another thread, when a worker dies between two calls
+        (``Executor.register_failure_callback``); ``check_health`` then raises why."""
+        self.executor.register_failure_callback(callback)
+
+    def check_health(self) -> None:
+        """Raise when a worker has died (``Executor.check_health``)."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -36,6 +36,8 @@ PromptType = str | list[int]
 #: Inputs of more characters than this are tokenized (or rendered) on a worker thread: a few ms of work
 #: on the event loop is cheaper than a thread hop, tens of ms would hold up every other client.
 OFF_LOOP_CHARS = 32_768
+#: What decoding one token id costs, in characters tokenized (about the characters a token stands for).
+CHARS_PER_DECODED_TOKEN = 4
 #: How many characters one token may stand for, over the longest token in the vocabulary: headroom for
 #: normalizers that merge characters (NFKC), so that the cheap length check never refuses a prompt that fits.
 _CHARS_PER_TOKEN_HEADROOM = 2
@@ -65,11 +67,17 @@ def release_memory() -> None:
 
 
 async def _run_sized(num_chars: int, function: Callable[..., _T], *args: Any) -> _T:
-    """``function(*args)``: inline for small inputs, on the tokenizer thread (then trimming the heap)
-    for inputs above ``OFF_LOOP_CHARS`` characters, so that the event loop keeps serving other clients."""
+    """``function(*args)``: inline for small inputs, ``run_off_loop`` for inputs above ``OFF_LOOP_CHARS``
+    characters, so that the event loop keeps serving other clients."""
     if num_chars <= OFF_LOOP_CHARS:
         return function(*args)
+    return await run_off_loop(function, *args)
 
+
+async def run_off_loop(function: Callable[..., _T], *args: Any) -> _T:
+    """``function(*args)`` on the tokenizer thread, then trims the heap: for work of tens of ms or more
+    on large inputs or outputs (tokenizing, converting logprobs), which would hold up every other client
+    on the event loop. Such jobs queue up on the one thread rather than take every core from the engine."""
     def run_and_trim() -> _T:
         try:
             return function(*args)
@@ -166,6 +174,11 @@ class InputProcessor:
             return list(prompt)
         self.check_length(len(prompt), param)
         return await _run_sized(len(prompt), self.tokenize, prompt)
+
+    async def detokenize_async(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (ids in the vocabulary); a long list is decoded off the event loop, each
+        id weighed as ``CHARS_PER_DECODED_TOKEN`` characters of input."""
+        return await _run_sized(len(token_ids) * CHARS_PER_DECODED_TOKEN, self.tokenizer.decode, token_ids)
 
     async def render_chat_async(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                                 tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:

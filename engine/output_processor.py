@@ -12,7 +12,6 @@ Plain Python with no locking: the one caller drives it from one thread.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -90,6 +89,15 @@ class _ParentState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    asks_prompt_logprobs: bool = False
+    # DELTA: children with news held back until child 0's prompt logprobs are complete (see _release).
+    held: dict[str, _ChildState] = field(default_factory=dict)
+
+    def awaits_prompt_logprobs(self) -> bool:
+        """Whether the prompt's logprobs may be incomplete: child 0, which computes them, reports the last
+        ones in the step it samples its first token."""
+        first = self.children[0]
+        return self.asks_prompt_logprobs and not first.detokenizer.output_token_ids and first.finish_reason is None
 
 
 class OutputProcessor:
@@ -106,9 +114,12 @@ class OutputProcessor:
         """Registers a request and returns the child requests the engine core must run.
 
         With ``n == 1`` the only child is the request itself. With ``n > 1``,
-        child ``i`` has id ``f"{i}_{request_id}"`` and a copy of ``params`` with
-        ``n = 1`` and, when ``seed`` is set, ``seed + i`` (vLLM's rule: siblings
-        differ yet each stays reproducible).
+        child ``i`` has id ``f"{i}_{request_id}"`` and ``params.for_child(i)`` (sharing
+        its stop strings and logit bias, not copying them), with ``n = 1`` and,
+        when ``seed`` is set, ``seed + i`` (vLLM's rule: siblings
+        differ yet each stays reproducible). Only child 0 keeps ``prompt_logprobs``:
+        the prompt is the same for all, and a request that computes them gets no
+        prefix-cache hits, while its siblings share the blocks child 0 caches.
 
         Args:
             request_id: the caller's id, used on every ``RequestOutput``.
@@ -126,17 +137,14 @@ class OutputProcessor:
         if params.n == 1:
             children = [(request_id, params)]
         else:
-            children = [
-                (f"{i}_{request_id}",
-                 dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i))
-                for i in range(params.n)
-            ]
+            children = [(f"{i}_{request_id}", params.for_child(i)) for i in range(params.n)]
         in_use = sorted(rid for rid in {request_id, *(cid for cid, _ in children)}
                         if rid in self._parents or rid in self._children)
         if in_use:
             raise ValueError(f"request_id {request_id!r} clashes with requests in progress: {in_use}")
         parent = _ParentState(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                              output_kind=output_kind, num_unfinished=len(children))
+                              output_kind=output_kind, num_unfinished=len(children),
+                              asks_prompt_logprobs=params.prompt_logprobs is not None)
         asks_logprobs = params.logprobs is not None
         for index, (child_id, child_params) in enumerate(children):
             child = _ChildState(
@@ -183,7 +191,9 @@ class OutputProcessor:
             if output.new_token_ids or child.finish_reason is not None:
                 advanced.setdefault(child.parent.request_id, {})[child.request_id] = child
         for parent_id, children in advanced.items():
-            request_output = self._make_request_output(self._parents[parent_id], list(children.values()))
+            parent = self._parents[parent_id]
+            children = self._release(parent, children)
+            request_output = self._make_request_output(parent, children) if children else None
             if request_output is not None:
                 processed.request_outputs.append(request_output)
         return processed
@@ -222,7 +232,7 @@ class OutputProcessor:
         """Updates a child from one output; returns whether a stop string was found here
         in a child the engine core is still running."""
         parent = child.parent
-        # Siblings share the prompt: take its logprobs and cache hits from child 0 only.
+        # Siblings share the prompt: only child 0 computes its logprobs (add_request); take its cache hits too.
         if child.index == 0:
             if output.new_prompt_logprobs:
                 parent.prompt_logprobs = (parent.prompt_logprobs or []) + output.new_prompt_logprobs
@@ -245,6 +255,22 @@ class OutputProcessor:
         del self._children[child.request_id]
         return stop is not None and output.finish_reason is None
 
+    @staticmethod
+    def _release(parent: _ParentState, children: dict[str, _ChildState]) -> list[_ChildState]:
+        """The children to report now: in DELTA mode none while child 0's prompt logprobs are incomplete
+        (they are sent once, in the first output), then those held back meanwhile too.
+
+        Siblings compute no prompt logprobs and may take child 0's cached blocks, so with chunked prefill
+        (``long_prefill_token_threshold``) one can sample before child 0 has run its whole prompt.
+        """
+        if parent.output_kind is not RequestOutputKind.DELTA or not (parent.held or parent.awaits_prompt_logprobs()):
+            return list(children.values())
+        parent.held.update(children)
+        if parent.awaits_prompt_logprobs():
+            return []
+        released, parent.held = list(parent.held.values()), {}
+        return released
+
     def _make_request_output(self, parent: _ParentState,
                              children: list[_ChildState]) -> RequestOutput | None:
         """Builds the parent's output for the children that advanced, or None when
@@ -259,8 +285,7 @@ class OutputProcessor:
         delta = parent.output_kind is RequestOutputKind.DELTA
         completions = [self._make_completion(child, delta) for child in children]
         prompt_logprobs = parent.prompt_logprobs
-        # Prompt logprobs are complete once child 0 samples (the core schedules it no
-        # later than its siblings, first come first served): in DELTA mode send them once.
+        # In DELTA mode they are complete here (_release): send them once.
         if delta and parent.prompt_logprobs_sent:
             prompt_logprobs = None
         elif delta:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,13 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MIN_SEED, SEED_END = -(2**63), 2**64
 #: ``top_k`` is held in int64 arrays; any value from the vocabulary size up means no limit.
 MAX_TOP_K = 2**63 - 1
+#: Most ``stop`` strings a request may give, and the most characters in each. OpenAI allows 4 and evaluation
+#: harnesses send a handful; each new output character is compared with the stop strings that end in it, and a
+#: stream holds back the longest one's length - 1 characters, so these bound both.
+MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS = 64, 1000
+#: Most ``stop_token_ids`` a request may give (duplicates included): clients send an end-of-turn token or a
+#: few; the list is read, deduplicated and checked against the vocabulary once per request.
+MAX_STOP_TOKEN_IDS = 4096
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,10 @@ class SamplingParams:
         seed: seeds a per-request generator so the output is reproducible
             whatever else is in the batch; in [-2**63, 2**64 - n] (``MIN_SEED``, ``SEED_END``).
         stop: strings that end the output when generated (not included unless
-            ``include_stop_str_in_output``).
-        stop_token_ids: token ids that end the output (the token is kept).
+            ``include_stop_str_in_output``); at most ``MAX_STOP_STRINGS`` of at most
+            ``MAX_STOP_STRING_CHARS`` characters each.
+        stop_token_ids: token ids that end the output (the token is kept); any iterable of at most
+            ``MAX_STOP_TOKEN_IDS`` ids, held as a frozenset.
         max_tokens: most output tokens; None = up to the model's context length.
         min_tokens: EOS and stop tokens are ignored before this many output tokens.
         ignore_eos: keep generating past EOS.
@@ -99,6 +110,9 @@ class SamplingParams:
         repetition_penalty: HF / CTRL repetition penalty in [0.01, 100] (1 = off) over
             prompt and output tokens (Keskar et al. 2019, arXiv:1909.05858).
         logit_bias: token id -> bias in [-100, 100] added to the logits.
+        logit_bias_arrays: derived, not an argument: ``logit_bias`` as parallel arrays of token ids
+            (int64, ``array("q")``) and biases (float32, ``array("f")``), built once here so that the worker
+            wraps them as tensors without copying and the ``n`` completions share them; None without a bias.
         logprobs: number of top logprobs per output token (0 = only the sampled one).
         prompt_logprobs: number of top logprobs per prompt token.
         skip_special_tokens: drop special tokens from the output text.
@@ -117,7 +131,7 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     max_tokens: int | None = 16
     min_tokens: int = 0
     ignore_eos: bool = False
@@ -130,17 +144,69 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias_arrays: tuple[array, array] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        self._check_stop_sizes()
+        self.stop_token_ids = frozenset(map(int, self.stop_token_ids or ()))
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         self._validate()
+        self.logit_bias_arrays = self._make_logit_bias_arrays()
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The parameters of completion ``index`` of this request's ``n``: ``n = 1``; when ``seed`` is set,
+        ``seed + index`` (vLLM's rule: siblings differ, yet each stays reproducible); ``prompt_logprobs``
+        for completion 0 only (the prompt is the same for all).
+
+        A shallow copy, not checked again: the children share this request's stop strings, stop token ids
+        and logit bias, so fanning out costs the same whatever their size.
+
+        Raises:
+            ValueError: ``index`` outside ``[0, n)``.
+        """
+        if not 0 <= index < self.n:
+            raise ValueError(f"index must be in [0, {self.n}), got {index}")
+        child = copy.copy(self)
+        child.n = 1
+        if self.seed is not None:
+            child.seed = self.seed + index
+        if index > 0:
+            child.prompt_logprobs = None
+        return child
+
+    def _check_stop_sizes(self) -> None:
+        """Refuse too many, empty or too long stop strings, and too many stop token ids, before the ids are
+        read one by one (a message quotes 40 characters at most)."""
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got "
+                                      f"{len(self.stop_token_ids)}", "stop_token_ids")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                                      "stop")
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequestError(f"stop must be non-empty strings, got {stop!r:.40}", "stop")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(f"stop strings must have at most {MAX_STOP_STRING_CHARS} characters, "
+                                          f"got one of {len(stop)}", "stop")
+
+    def _make_logit_bias_arrays(self) -> tuple[array, array] | None:
+        """``logit_bias_arrays``; raises ``InvalidRequestError`` for a token id outside [0, 2**63)."""
+        if not self.logit_bias:
+            return None
+        try:
+            token_ids = array("q", self.logit_bias)
+        except OverflowError:
+            token_ids = None
+        if token_ids is None or min(token_ids) < 0:
+            raise InvalidRequestError("logit_bias must be keyed by token ids in [0, 2**63)", "logit_bias")
+        return token_ids, array("f", self.logit_bias.values())
 
     def _validate(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -156,8 +222,9 @@ class SamplingParams:
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
         check(self.seed is None or (isinstance(self.seed, int) and MIN_SEED <= self.seed <= SEED_END - self.n),
               "seed", f"an integer in [-2**63, 2**64 - n] ({SEED_END - self.n} for n = {self.n})")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
-        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "non-negative token ids")
+        if min(self.stop_token_ids, default=0) < 0:
+            raise InvalidRequestError(f"stop_token_ids must be non-negative token ids, got {min(self.stop_token_ids)}",
+                                      "stop_token_ids")
         check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", ">= 1")
         check(self.min_tokens >= 0, "min_tokens", ">= 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
@@ -167,9 +234,10 @@ class SamplingParams:
         check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0")
         check(MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
               f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
-        check(all(-100.0 <= b <= 100.0 for b in (self.logit_bias or {}).values()),
-              "logit_bias", "a map of token ids to biases in [-100, 100]")
-        check(all(t >= 0 for t in (self.logit_bias or {})), "logit_bias", "keyed by non-negative token ids")
+        bad_bias = next(((t, b) for t, b in (self.logit_bias or {}).items() if not -100.0 <= b <= 100.0), None)
+        if bad_bias is not None:
+            raise InvalidRequestError(f"logit_bias must be a map of token ids to biases in [-100, 100], got "
+                                      f"{bad_bias[1]} for token {bad_bias[0]}", "logit_bias")
         check(self.logprobs is None or self.logprobs >= 0, "logprobs", ">= 0")
         # A grammar decides where a constrained output ends; it cannot be made to go on.
         check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",

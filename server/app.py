@@ -120,8 +120,9 @@ class ServerArgs:
 
 
 class APIKeyMiddleware:
-    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``,
-    and 400 when it carries more than one ``Authorization`` header.
+    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``
+    (the scheme in any case, as RFC 9110 has it), and 400 when it carries more than one
+    ``Authorization`` header.
 
     ``/health``, ``/version``, ``/metrics`` and the docs stay open for probes, scrapers and readers.
     CORS preflights carry no credentials: the CORS middleware, outside this one, answers them.
@@ -129,11 +130,18 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     @staticmethod
     def _protected(path: str) -> bool:
         return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+    def _authorized(self, credentials: bytes) -> bool:
+        """Whether ``credentials`` (the header's value) are ``Bearer`` and the key, one or more spaces
+        between them."""
+        scheme, _, key = credentials.partition(b" ")
+        # The key in constant time, so that response timing does not reveal how much of a guess was right.
+        return hmac.compare_digest(key.lstrip(b" "), self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):
@@ -144,8 +152,7 @@ class APIKeyMiddleware:
                                     f"{len(given)}.", code="duplicate_authorization")
                 await error.response()(scope, receive, send)
                 return
-            # Constant time, so that response timing does not reveal how much of a guess was right.
-            if not hmac.compare_digest(given[0] if given else b"", self.expected):
+            if not self._authorized(given[0] if given else b""):
                 error = OpenAIError(HTTPStatus.UNAUTHORIZED, "Invalid or missing API key: send "
                                     "'Authorization: Bearer <key>'.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
@@ -298,7 +305,8 @@ async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> T
         if body.messages is not None:
             template = str(engine.tokenizer.chat_template or "")
             tool_format = tool_parser_class(request.app.state.tool_call_parser, template)
-            messages, tools = render_inputs(body.messages, plan_tools(body, None, None), tool_format, engine.tokenizer)
+            plan = await plan_tools(body, None, None, engine.processor.grammars)
+            messages, tools = render_inputs(body.messages, plan, tool_format, engine.tokenizer)
             tokens = await engine.processor.render_chat_async(messages, body.add_generation_prompt, tools)
         else:
             tokens = await engine.processor.tokenize_async(body.prompt)
@@ -307,10 +315,15 @@ async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> T
 
 @router.post("/detokenize", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND))
 async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeResponse:
+    """The text of token ids: at most ``max_model_len`` of them (the longest sequence the server holds), each in
+    the vocabulary; else a 400 naming ``tokens``."""
     check_model(body.model, engine.model_name)
     check_fields(body)
+    if len(body.tokens) > engine.max_model_len:
+        raise bad_request(f"tokens has {len(body.tokens)} ids; at most max_model_len ({engine.max_model_len}) "
+                          "are decoded at once", "tokens")
     check_token_ids(body.tokens, len(engine.tokenizer), "tokens")
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await engine.processor.detokenize_async(body.tokens))
 
 
 def _install_openapi(app: FastAPI, api_key_set: bool) -> None:

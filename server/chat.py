@@ -15,9 +15,11 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 from sse_starlette import EventSourceResponse
+from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_llm import AsyncLLM
+from engine.input_processor import run_off_loop
 from engine.output_processor import RequestOutputKind
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.sampling_params import StructuredOutputsParams
@@ -39,6 +41,7 @@ from server.protocol import (
     TopLogprob,
     UsageInfo,
     first_chunk_awaited,
+    json_response,
     openai_finish_reason,
     prompt_logprobs,
     sse_response,
@@ -81,14 +84,16 @@ def _logprobs(tokenizer: PreTrainedTokenizerBase, entries: list[TokenLogprobs]) 
 
 
 async def create_chat_completion(request: ChatCompletionRequest, engine: AsyncLLM,
-                                 tool_call_parser: str = "auto") -> ChatCompletionResponse | EventSourceResponse:
-    """Run a chat request: a ``ChatCompletionResponse``, or an SSE stream of chunks (``run_chat``'s).
+                                 tool_call_parser: str = "auto") -> Response | EventSourceResponse:
+    """Run a chat request: a ``ChatCompletionResponse`` as JSON, or an SSE stream of chunks (``run_chat``'s).
 
     Raises:
         OpenAIError: as ``run_chat``.
     """
     result = await run_chat(request, engine, tool_call_parser)
-    return result if isinstance(result, ChatCompletionResponse) else sse_response(result)
+    if isinstance(result, ChatCompletionResponse):  # with prompt logprobs it can be tens of MB
+        return await json_response(result, off_loop=result.prompt_logprobs is not None)
+    return sse_response(result)
 
 
 async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_parser: str = "auto"
@@ -112,7 +117,7 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
     # Errors name the field the client set: chat's names for SamplingParams' max_tokens and logprobs.
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     structured_outputs, structured_param = request.structured_output()
-    plan = plan_tools(request, structured_outputs, structured_param)
+    plan = await plan_tools(request, structured_outputs, structured_param, engine.processor.grammars)
     tool_format = tool_parser_class(tool_call_parser, str(engine.tokenizer.chat_template or ""))
     parser = tool_format if plan is not None and plan.active else None
     if parser is not None:  # the reply is held to the call format (and the answer schema, if any)
@@ -144,8 +149,8 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
         id=request_id, created=stream.head.created, model=engine.model_name,
         choices=[stream.whole_choice(c) for c in final.outputs],
         usage=UsageInfo.of(len(token_ids), sum(len(c.token_ids) for c in final.outputs)))
-    if request.prompt_logprobs is not None:
-        response.prompt_logprobs = prompt_logprobs(engine.tokenizer, final.prompt_logprobs or [])
+    if request.prompt_logprobs is not None:  # prompt length x (k + 1) entries: converted off the event loop
+        response.prompt_logprobs = await run_off_loop(prompt_logprobs, engine.tokenizer, final.prompt_logprobs or [])
     return response
 
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from sse_starlette import EventSourceResponse
+from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from engine.async_llm import AsyncLLM
-from engine.input_processor import ProcessedRequest, PromptType
+from engine.input_processor import ProcessedRequest, PromptType, run_off_loop
 from engine.output_processor import RequestOutputKind
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from server.errors import (
@@ -33,8 +34,11 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptInput,
+    PromptLogprobs,
+    TokenTexts,
     UsageInfo,
     first_chunk_awaited,
+    json_response,
     openai_finish_reason,
     prompt_logprobs,
     sse_response,
@@ -54,11 +58,52 @@ def _split_prompts(prompt: PromptInput) -> list[PromptType]:
     return prompts
 
 
+@dataclass
+class _PromptPart:
+    """What the choices of one prompt share, converted once per prompt (not per choice).
+
+    Attributes:
+        echo_text: the prompt's text with ``echo``, else "".
+        echo_logprobs: with ``echo`` and ``logprobs``, the prompt's tokens in the legacy shape (offsets from 0).
+        echo_end: the text offset after the echoed prompt (0 without ``echo``).
+        prompt_logprobs: with ``prompt_logprobs``, in vLLM's shape: one list, which each choice carries.
+    """
+
+    echo_text: str = ""
+    echo_logprobs: CompletionLogProbs | None = None
+    echo_end: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+def _legacy_logprobs(texts: TokenTexts, tokens: Iterable[tuple[int, TokenLogprobs | None]],
+                     offset: int) -> tuple[CompletionLogProbs, int]:
+    """``tokens`` (id, logprobs: None for the first prompt token, which has none) in the legacy shape,
+    their ``text_offset`` running on from ``offset``; and the offset after them."""
+    result = CompletionLogProbs()
+    for token_id, lp in tokens:
+        token = texts[token_id]
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+        result.token_logprobs.append(None if lp is None else lp.logprobs[0])
+        result.top_logprobs.append(None if lp is None else {
+            texts[t]: v for t, v in zip(lp.token_ids, lp.logprobs, strict=True)})
+    return result, offset
+
+
+def _joined(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    """``first``'s tokens then ``second``'s, in new lists (``first`` is shared between choices)."""
+    return CompletionLogProbs.model_construct(**{name: getattr(first, name) + getattr(second, name)
+                                                 for name in CompletionLogProbs.model_fields})
+
+
 class _ChoiceBuilder:
     """Turns engine outputs into choices: a whole completion, or one streamed delta.
 
     The first piece of each choice carries the echoed prompt (and, with
     ``logprobs``, the prompt's logprobs); ``text_offset`` runs on across pieces.
+    The prompt's part is converted once per prompt, off the event loop when it has prompt logprobs
+    (prompt length x (k + 1) entries), and shared by its ``n`` choices.
     """
 
     def __init__(self, request: CompletionRequest, prompts: list[ProcessedRequest], n: int,
@@ -67,54 +112,49 @@ class _ChoiceBuilder:
         self.prompts = prompts
         self.n = n
         self.tokenizer = tokenizer
-        self._prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}  # by prompt index
+        self._texts = TokenTexts(tokenizer)  # of the generated tokens, decoded on the event loop
+        self._prompt_parts: dict[int, _PromptPart] = {}  # by prompt index
         self._next_offset: dict[int, int] = {}  # choice index -> text offset of its next token
 
-    def choices(self, prompt_index: int, output: RequestOutput) -> list[CompletionChoice]:
-        # Delta mode sends the prompt's logprobs once, but each of its n choices echoes them.
-        if output.prompt_logprobs is not None:
-            self._prompt_logprobs[prompt_index] = output.prompt_logprobs
+    async def choices(self, prompt_index: int, output: RequestOutput) -> list[CompletionChoice]:
+        """The choices of ``output``, one per completion in it."""
+        if prompt_index not in self._prompt_parts:  # its first output, which brings the prompt's logprobs
+            entries = output.prompt_logprobs or []
+            self._prompt_parts[prompt_index] = (await run_off_loop(self._prompt_part, prompt_index, entries)
+                                                if entries else self._prompt_part(prompt_index, entries))
         return [self._choice(prompt_index, completion) for completion in output.outputs]
+
+    def _prompt_part(self, prompt_index: int, entries: list[TokenLogprobs | None]) -> _PromptPart:
+        part = _PromptPart()
+        if self.request.prompt_logprobs is not None:
+            part.prompt_logprobs = prompt_logprobs(self.tokenizer, entries)
+        if self.request.echo:
+            prompt = self.prompts[prompt_index]
+            part.echo_text = self.tokenizer.decode(prompt.prompt_token_ids) if prompt.prompt is None else prompt.prompt
+            if self.request.logprobs is not None:  # then the request asked for the prompt's logprobs too
+                part.echo_logprobs, part.echo_end = _legacy_logprobs(
+                    TokenTexts(self.tokenizer), zip(prompt.prompt_token_ids, entries, strict=False), 0)
+        return part
 
     def _choice(self, prompt_index: int, completion: CompletionOutput) -> CompletionChoice:
         index = prompt_index * self.n + completion.index
-        text = completion.text
-        tokens: list[tuple[int, TokenLogprobs | None]] = []
-        if index not in self._next_offset:
-            self._next_offset[index] = 0
-            if self.request.echo:
-                prompt = self.prompts[prompt_index]
-                prompt_text = self.tokenizer.decode(prompt.prompt_token_ids) if prompt.prompt is None else prompt.prompt
-                text = prompt_text + text
-                echoed_logprobs = self._prompt_logprobs.get(prompt_index, [])  # empty when not asked for
-                tokens.extend(zip(prompt.prompt_token_ids, echoed_logprobs, strict=False))
-        tokens.extend((lp.token_ids[0], lp) for lp in completion.logprobs or [])
-        logprobs = None if self.request.logprobs is None else self._logprobs(index, tokens)
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+        part = self._prompt_parts[prompt_index]
+        first = index not in self._next_offset
+        offset = part.echo_end if first else self._next_offset[index]
+        generated = [(lp.token_ids[0], lp) for lp in completion.logprobs or []]
+        logprobs, self._next_offset[index] = _legacy_logprobs(self._texts, generated, offset)
+        if first and part.echo_logprobs is not None:
+            logprobs = _joined(part.echo_logprobs, logprobs)
+        choice = CompletionChoice(index=index, text=part.echo_text + completion.text if first else completion.text,
+                                  logprobs=None if self.request.logprobs is None else logprobs,
                                   finish_reason=openai_finish_reason(completion.finish_reason))
-        if self.request.prompt_logprobs is not None:  # never streamed: this is the whole choice
-            choice.prompt_logprobs = prompt_logprobs(self.tokenizer, self._prompt_logprobs[prompt_index])
+        # Assigned, not validated: the one list every choice of the prompt shares (never streamed).
+        choice.prompt_logprobs = part.prompt_logprobs
         return choice
 
-    def _logprobs(self, index: int, tokens: list[tuple[int, TokenLogprobs | None]]) -> CompletionLogProbs:
-        """Logprobs of ``tokens`` (None for the first prompt token, which has none)."""
-        result = CompletionLogProbs()
-        offset = self._next_offset[index]
-        for token_id, lp in tokens:
-            token = self.tokenizer.decode([token_id])
-            result.tokens.append(token)
-            result.text_offset.append(offset)
-            offset += len(token)
-            result.token_logprobs.append(None if lp is None else lp.logprobs[0])
-            result.top_logprobs.append(None if lp is None else {
-                self.tokenizer.decode([t]): v for t, v in zip(lp.token_ids, lp.logprobs, strict=True)})
-        self._next_offset[index] = offset
-        return result
 
-
-async def create_completion(request: CompletionRequest,
-                            engine: AsyncLLM) -> CompletionResponse | EventSourceResponse:
-    """Run a completions request: a ``CompletionResponse``, or an SSE stream of chunks.
+async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Response | EventSourceResponse:
+    """Run a completions request: a ``CompletionResponse`` as JSON, or an SSE stream of chunks.
 
     Unset sampling fields take the model's defaults (``--generation-config``);
     its ``max_new_tokens`` caps ``max_tokens: null``, while a ``max_tokens`` left
@@ -154,11 +194,12 @@ async def create_completion(request: CompletionRequest,
     with engine_errors():
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
-                response.choices.extend(builder.choices(prompt_index, output))
+                response.choices.extend(await builder.choices(prompt_index, output))
                 num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
     response.choices.sort(key=lambda choice: choice.index)
     response.usage = UsageInfo.of(num_prompt_tokens, num_output_tokens)
-    return response
+    # With prompt logprobs it can be tens of MB.
+    return await json_response(response, off_loop=num_prompt_logprobs is not None)
 
 
 async def _chunks(head: CompletionResponse, include_usage: bool, num_prompt_tokens: int,
@@ -169,7 +210,7 @@ async def _chunks(head: CompletionResponse, include_usage: bool, num_prompt_toke
     with engine_errors():
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
-                choices = builder.choices(prompt_index, output)
+                choices = await builder.choices(prompt_index, output)
                 for choice, completion in zip(choices, output.outputs, strict=True):
                     num_output_tokens += len(completion.token_ids)
                     has_logprobs = choice.logprobs is not None and choice.logprobs.tokens
@@ -189,17 +230,19 @@ async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]
     """Interleave the prompts' output streams as they produce, tagging each output
     with its prompt's index. The first error of any stream is raised; closing the
     merged stream closes them all (which aborts their requests)."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | _Finished]] = asyncio.Queue()
+    # One output per stream at most: the others wait in the engine's streams, which bound what a consumer
+    # that stopped reading holds (``max_stream_backlog_tokens``).
+    queue: asyncio.Queue[tuple[int, RequestOutput | _Finished]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         error = None
         try:
             async with aclosing(stream):
                 async for output in stream:
-                    queue.put_nowait((index, output))
+                    await queue.put((index, output))
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             error = exc
-        queue.put_nowait((index, _Finished(error)))
+        await queue.put((index, _Finished(error)))
 
     tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
     try:

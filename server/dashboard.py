@@ -83,6 +83,9 @@ async def follow_steps(records: StepRecords, request: Request,
             backlog = records.recent(history, since)
             last_step = backlog[-1]["step"] if backlog else (-1 if since is None else since)
             for record in backlog:
+                # A send that fits the socket's buffer does not wait: without this, the whole backlog would be
+                # written in one go, and many followers at once would hold the event loop for seconds.
+                await asyncio.sleep(0)
                 yield json.dumps(record)
             pending: dict[str, Any] | None = None  # not sent yet, carrying what skipped records held
             next_send = 0.0

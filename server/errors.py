@@ -21,13 +21,25 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.async_llm import EngineDeadError, QueueFullError
+from engine.async_llm import EngineDeadError, QueueFullError, StreamBacklogError
 from engine.errors import InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
+#: Most characters of a client's value (a model name, an id, a field name) quoted in an error or a log line.
+MAX_ECHOED_CHARS = 256
+#: Most characters of an error's message: a backstop for any value quoted whole, so that no error body (nor
+#: its log line) grows with the request.
+MAX_ERROR_MESSAGE_CHARS = 4096
+
+
+def shorten(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """``text``, cut to its first ``limit`` characters and a note of how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class ErrorDetail(BaseModel):
@@ -56,17 +68,19 @@ class OpenAIError(Exception):
 
     Args:
         status_code: the HTTP status (4xx, 5xx).
-        message: what went wrong, for the client.
-        param: the request field at fault, if any (dotted path for nested fields).
+        message: what went wrong, for the client; cut to ``MAX_ERROR_MESSAGE_CHARS``.
+        param: the request field at fault, if any (dotted path for nested fields); cut to ``MAX_ECHOED_CHARS``
+            (a path may hold a client's dict key).
         code: a short machine-readable code, if any.
     """
 
     def __init__(self, status_code: int, message: str, param: str | None = None,
                  code: str | None = None) -> None:
+        message = shorten(message, MAX_ERROR_MESSAGE_CHARS)
         super().__init__(message)
         self.status_code = status_code
         self.message = message
-        self.param = param
+        self.param = None if param is None else shorten(param)
         self.code = code
 
     def body(self) -> dict[str, Any]:
@@ -91,7 +105,7 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 def model_not_found(requested: str, served: str) -> OpenAIError:
     """OpenAI's 404 ``model_not_found``, naming the model this server serves."""
-    return OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist; this server "
+    return OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{shorten(requested)}` does not exist; this server "
                        f"serves `{served}`.", param="model", code="model_not_found")
 
 
@@ -118,8 +132,9 @@ def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[Non
 
     ``InvalidRequestError`` (invalid sampling parameters, a prompt the engine
     refuses) -> 400 naming its field; any other ``ValueError`` (a request id
-    in use) -> 400; ``QueueFullError`` -> 429; ``RequestFailedError`` (the engine failed this request
-    alone) -> 500; ``EngineDeadError`` -> 503.
+    in use) -> 400; ``StreamBacklogError`` (a client that stopped reading its stream; only ever sent as the
+    stream's last event) -> 408; ``QueueFullError`` -> 429; ``RequestFailedError`` (the engine failed this
+    request alone) -> 500; ``EngineDeadError`` -> 503.
 
     Args:
         client_names: engine-side field (``InvalidRequestError.param``) -> the request field the client
@@ -134,6 +149,8 @@ def engine_errors(client_names: Mapping[str, str] | None = None) -> Iterator[Non
         raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), code="engine_dead") from exc
     except RequestFailedError as exc:
         raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc), code="request_failed") from exc
+    except StreamBacklogError as exc:
+        raise OpenAIError(HTTPStatus.REQUEST_TIMEOUT, str(exc), code="client_too_slow") from exc
     except InvalidRequestError as exc:
         param = (client_names or {}).get(exc.param, exc.param)
         raise bad_request(exc.message if param is None else exc.message_naming(param), param) from exc

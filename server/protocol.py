@@ -38,11 +38,14 @@ from pydantic import (
     model_validator,
 )
 from sse_starlette import EventSourceResponse
+from starlette.responses import Response
+from typing_extensions import TypedDict
 
 from engine.errors import InvalidRequestError
+from engine.input_processor import run_off_loop
 from engine.outputs import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from server.errors import OpenAIError, bad_request
+from server.errors import OpenAIError, bad_request, shorten
 
 logger = logging.getLogger(__name__)
 
@@ -63,26 +66,38 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-def _surrogate_path(value: Any, path: str = "") -> str | None:
+_TEXT_OR_NESTED = frozenset((str, list, dict))
+
+
+def _surrogate_path(value: Any) -> str | None:
     """The dotted path (list indexes included) of the first string in ``value``, key or value, that
-    cannot be encoded as UTF-8 (a lone surrogate); None when every one can."""
+    cannot be encoded as UTF-8 (a lone surrogate), "" when ``value`` is that string; None when every
+    one can. Numbers are passed over without building their path, so that a body of millions of token
+    ids does not hold the event loop."""
     if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path
-        return None
+        return None if _encodes(value) else ""
+    if isinstance(value, list) and _TEXT_OR_NESTED.isdisjoint(map(type, value)):
+        return None  # numbers only: a C-speed check (a parsed body holds the exact JSON types)
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        # Escaped, so that the path itself (quoted in the error) is valid text.
-        name = key.encode(errors="backslashreplace").decode() if isinstance(key, str) else str(key)
-        child = f"{path}.{name}" if path else name
-        if isinstance(key, str) and _surrogate_path(key) is not None:
-            return child
-        found = _surrogate_path(item, child)
-        if found is not None:
-            return found
+        if isinstance(key, str) and not _encodes(key):
+            return _path_name(key)
+        if isinstance(item, (str, list, dict)) and (found := _surrogate_path(item)) is not None:
+            return f"{_path_name(key)}.{found}" if found else _path_name(key)
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path_name(key: str | int) -> str:
+    """``key`` as a path part, escaped so that the path itself (quoted in an error) is valid text."""
+    return key.encode(errors="backslashreplace").decode() if isinstance(key, str) else str(key)
 
 
 class RequestBody(OpenAIBaseModel):
@@ -133,7 +148,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 _logged_unknown_fields: set[str] = set()
-#: Field names logged at most (about): a client sending made-up names must not grow memory or the log forever.
+#: Field names logged at most (each cut to ``MAX_ECHOED_CHARS``): a client sending made-up names must not grow
+#: memory or the log forever.
 _MAX_LOGGED_UNKNOWN_FIELDS = 1000
 
 
@@ -153,7 +169,7 @@ def check_fields(request: BaseModel,
                  unsupported: dict[str, tuple[str, tuple[Any, ...]]] = UNSUPPORTED_FIELDS) -> None:
     """Refuse the fields of ``unsupported`` (a table shaped as ``UNSUPPORTED_FIELDS``) that ask for
     something; log the other unknown ones, each field name once per process (clients repeat them on
-    every request).
+    every request), cut to ``MAX_ECHOED_CHARS``, and no more than ``_MAX_LOGGED_UNKNOWN_FIELDS`` names.
 
     Raises:
         OpenAIError: 400 naming the first unsupported field set.
@@ -164,9 +180,13 @@ def check_fields(request: BaseModel,
             alternative = f" or set it to {json.dumps(harmless[0])}" if harmless else ""
             raise bad_request(f"'{name}' is not supported yet ({asks_for}): remove it from the "
                               f"request{alternative}.", name)
-    new = {name for name in _unknown_fields(request) if name not in unsupported} - _logged_unknown_fields
-    if new and len(_logged_unknown_fields) < _MAX_LOGGED_UNKNOWN_FIELDS:
-        logger.warning("The following fields were present in the request but ignored: %s", sorted(new))
+    room = _MAX_LOGGED_UNKNOWN_FIELDS - len(_logged_unknown_fields)
+    if room <= 0:
+        return
+    unknown = {shorten(name) for name in _unknown_fields(request) if name not in unsupported}
+    new = sorted(unknown - _logged_unknown_fields)[:room]
+    if new:
+        logger.warning("The following fields were present in the request but ignored: %s", new)
         _logged_unknown_fields.update(new)
 
 
@@ -553,8 +573,12 @@ class ResponseHead(OpenAIBaseModel):
     model: str
 
 
-class PromptLogprob(OpenAIBaseModel):
-    """vLLM's logprob of one token at one prompt position."""
+class PromptLogprob(TypedDict):
+    """vLLM's logprob of one token at one prompt position.
+
+    A plain dict, not a model: a prompt's logprobs hold prompt length x (k + 1) of them, which dicts
+    build and serialize ~20x and ~2x faster.
+    """
 
     logprob: float
     rank: int  # in the distribution at that position, 1 = most likely
@@ -566,17 +590,51 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
+class TokenTexts(dict[int, str]):
+    """Token id -> ``tokenizer.decode([id])``, each id decoded once: logprobs name the same tokens many
+    times over (a prompt's top-k candidates repeat from position to position)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
 def prompt_logprobs(tokenizer: Any, entries: list[TokenLogprobs | None]) -> PromptLogprobs:
-    """vLLM's ``prompt_logprobs`` from the engine's (``tokenizer`` decodes the tokens)."""
+    """vLLM's ``prompt_logprobs`` from the engine's (``tokenizer`` decodes the tokens).
+
+    Costs ~1 µs per entry (prompt length x (k + 1)): callers convert once per prompt, off the event
+    loop when large, and share the result between the choices that carry it.
+    """
+    texts = TokenTexts(tokenizer)
+
     def position(lp: TokenLogprobs) -> dict[int, PromptLogprob]:
         ranks = [lp.rank, *range(1, len(lp.token_ids))]  # the prompt's token first, then the top k
         result: dict[int, PromptLogprob] = {}
         for token_id, logprob, rank in zip(lp.token_ids, lp.logprobs, ranks, strict=True):
-            result.setdefault(token_id, PromptLogprob(logprob=logprob, rank=rank,
-                                                      decoded_token=tokenizer.decode([token_id])))
+            if token_id not in result:
+                result[token_id] = {"logprob": logprob, "rank": rank, "decoded_token": texts[token_id]}
         return result
 
     return [None if lp is None else position(lp) for lp in entries]
+
+
+async def json_response(body: BaseModel, off_loop: bool = False) -> Response:
+    """``body`` as a JSON response, written by pydantic's serializer.
+
+    FastAPI would walk a returned model in Python (``jsonable_encoder``) and then ``json.dumps`` it:
+    ~10x slower, which a response of prompt logprobs (tens of MB) turns into seconds.
+
+    Args:
+        off_loop: serialize with ``run_off_loop``, for a body that may be large (prompt logprobs).
+    """
+    def serialize() -> Response:
+        return Response(body.model_dump_json(by_alias=True), media_type="application/json")
+
+    return await run_off_loop(serialize) if off_loop else serialize()
 
 
 class WithPromptLogprobs(OpenAIBaseModel):

@@ -11,10 +11,11 @@ as OpenAI sends them. Errors name the Responses API's fields where chat's name i
 (``max_output_tokens``, ``text.format``, ``tools.0.parameters``).
 
 With ``store`` (true unless the request says false, as in OpenAI's API) a finished response is kept,
-with its conversation, in the app's ``ResponseStore``, in memory: at most ``MAX_STORED_RESPONSES``,
-each for ``STORED_RESPONSE_TTL_S`` seconds, the oldest dropped first. A stored conversation holds
-the same message objects as its predecessor's, so a chain of responses costs the text of each turn
-once. As in OpenAI's API, a continued response does not inherit the previous ``instructions``.
+with its conversation, in the app's ``ResponseStore``, in memory: at most ``MAX_STORED_RESPONSES``
+and ``MAX_STORED_RESPONSE_BYTES`` of JSON, each for ``STORED_RESPONSE_TTL_S`` seconds, the oldest
+dropped first. A stored conversation holds the same message objects as its predecessor's, so a chain
+of responses costs the text of each turn once. As in OpenAI's API, a continued response does not inherit
+the previous ``instructions``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel
+from pydantic_core import to_json
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from engine.async_llm import AsyncLLM
@@ -77,6 +79,9 @@ from server.responses_protocol import (
 
 #: Most responses stored at once; storing one more drops the oldest.
 MAX_STORED_RESPONSES = 1000
+#: Most bytes of JSON the stored responses and their conversations take together; storing one more drops the
+#: oldest until it fits.
+MAX_STORED_RESPONSE_BYTES = 256 * 1024**2
 #: Seconds a stored response can be continued or retrieved, from when it finished.
 STORED_RESPONSE_TTL_S = 3600.0
 
@@ -89,6 +94,13 @@ class StoredResponse:
     response: Response
     messages: list[ChatMessage]  # the conversation through the response's output, instructions left out
     expires_at: float  # on the store's clock
+    num_bytes: int  # ``stored_bytes`` of the two
+
+
+def stored_bytes(response: Response, messages: list[ChatMessage]) -> int:
+    """Bytes of JSON of a response and its conversation, what storing them costs (about). A continued
+    conversation shares its predecessor's messages, counted again here: an upper bound."""
+    return len(to_json(response)) + len(to_json(messages))
 
 
 class ResponseStore:
@@ -96,15 +108,19 @@ class ResponseStore:
 
     Args:
         max_size: most responses kept; storing one more drops the oldest.
+        max_bytes: most ``stored_bytes`` kept, all responses together; storing one more drops the oldest
+            until it fits (one larger than this alone is not kept).
         ttl_s: seconds a response is kept after it was stored.
         clock: seconds, monotonic (tests pass their own).
     """
 
     def __init__(self, max_size: int = MAX_STORED_RESPONSES, ttl_s: float = STORED_RESPONSE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_bytes: int = MAX_STORED_RESPONSE_BYTES) -> None:
         self.max_size = max_size
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
+        self.num_bytes = 0  # of the responses kept
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
 
     @classmethod
@@ -120,21 +136,33 @@ class ResponseStore:
     def put(self, response: Response, messages: list[ChatMessage]) -> None:
         now = self.clock()
         self._drop_expired(now)
-        while len(self._entries) >= self.max_size:
-            self._entries.popitem(last=False)
-        self._entries[response.id] = StoredResponse(response, messages, now + self.ttl_s)
+        entry = StoredResponse(response, messages, now + self.ttl_s, stored_bytes(response, messages))
+        if entry.num_bytes > self.max_bytes:
+            return
+        while len(self._entries) >= self.max_size or self.num_bytes + entry.num_bytes > self.max_bytes:
+            self._drop_oldest()
+        self._entries[response.id] = entry
+        self.num_bytes += entry.num_bytes
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._drop_expired(self.clock())
         return self._entries.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.num_bytes -= entry.num_bytes
+        return True
+
+    def _drop_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self.num_bytes -= entry.num_bytes
 
     def _drop_expired(self, now: float) -> None:
         # One TTL for all: the oldest entry expires first.
         while self._entries and next(iter(self._entries.values())).expires_at <= now:
-            self._entries.popitem(last=False)
+            self._drop_oldest()
 
 
 def response_not_found(response_id: str) -> OpenAIError:

@@ -59,6 +59,18 @@ CHAT_ONLY_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     for name in [*SamplingRequest.model_fields, "max_tokens", "max_completion_tokens"]
     if name not in ("model", "stream", "stream_options", "user", "temperature", "top_p")}
 
+#: OpenAI's limits on ``metadata``: key-value pairs, and the characters of a key and of a value.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+#: Most characters of ``user`` and of a ``call_id``, kept with a stored response (OpenAI's ids are under 100).
+MAX_IDENTIFIER_CHARS = 256
+#: Most characters of a tool's description (agents' longest are a few thousand).
+MAX_TOOL_DESCRIPTION_CHARS = 32_768
+
+#: A client's identifier that a stored response keeps: ``user``, ``call_id``.
+Identifier = Annotated[Text, Field(max_length=MAX_IDENTIFIER_CHARS)]
+
 #: The input item types and content part types served: text and function calls.
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
 _PART_TYPES = ("input_text", "output_text")
@@ -95,7 +107,7 @@ class FunctionCallItem(OpenAIBaseModel):
     """A call the model made, passed back as input (or one of ``Response.output``)."""
 
     type: Literal["function_call"] = "function_call"
-    call_id: Text
+    call_id: Identifier
     name: Text
     arguments: Text
     id: Text | None = None
@@ -106,7 +118,7 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     """The result of a function call, for the model to read."""
 
     type: Literal["function_call_output"]
-    call_id: Text
+    call_id: Identifier
     output: Text | list[TextPart]
     id: Text | None = None
     status: Text | None = None
@@ -156,7 +168,7 @@ class FunctionTool(OpenAIBaseModel):
 
     type: Literal["function"]
     name: Text
-    description: Text | None = None
+    description: Annotated[Text, Field(max_length=MAX_TOOL_DESCRIPTION_CHARS)] | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
@@ -192,7 +204,7 @@ class ResponsesRequest(RequestBody):
     tool_choice: ResponsesToolChoice | None = None  # None = "auto" with tools, "none" without
     parallel_tool_calls: StrictBool = True
     metadata: dict[str, Text] | None = None
-    user: Text | None = None
+    user: Identifier | None = None
     # Accepted and ignored: they change nothing in the output.
     stream_options: dict[str, Any] | None = None
     service_tier: Text | None = None
@@ -222,6 +234,23 @@ class ResponsesRequest(RequestBody):
                 parts.append(str(part))
             param = ".".join(parts)
             raise bad_request(f"Invalid value for '{param}': {error['msg']}", param) from None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_limits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits (``MAX_METADATA_PAIRS`` pairs, keys and values of at most ``MAX_METADATA_KEY_CHARS``
+        and ``MAX_METADATA_VALUE_CHARS`` characters): a stored response keeps its metadata."""
+        if metadata is None:
+            return None
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"keys have at most {MAX_METADATA_KEY_CHARS} characters, got one of {len(key)}")
+            if len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"values have at most {MAX_METADATA_VALUE_CHARS} characters, got one of "
+                                 f"{len(value)}")
+        return metadata
 
     @model_validator(mode="before")
     @classmethod

@@ -6,6 +6,8 @@ once per session. ``serve_app`` builds more apps around that same ``AsyncLLM``
 (API key, small body limit) at no extra load; ``serve_fresh_engine`` starts an
 app with an engine of its own, for tests that break it. Tests talk HTTP to the
 servers and read engine state in-process (``served.engine.get_stats()``).
+
+``pytest_collection_modifyitems`` gives every test its tier marker (README, "Tests").
 """
 
 from __future__ import annotations
@@ -220,3 +222,41 @@ def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequ
     finally:
         process.kill()
         log.close()
+
+
+# --------------------------------------------------------------------------- test tiers (README, "Tests")
+
+#: Fixtures that start a server (this file's) or a browser (test_dashboard_browser.py's): a test that uses one,
+#: itself or through another fixture, is in the ``server`` tier.
+SERVER_FIXTURES = frozenset({"server_loop", "browser"})
+TIERS = ("fast", "slow", "server", "infra")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give each test its tier (pyproject.toml's markers) unless its module or itself names one
+    (``pytestmark``, a decorator: ``slow`` and ``infra`` are only given so): ``server`` when it uses a server
+    fixture or runs ``cli_server``, else ``fast``."""
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in TIERS):
+            continue
+        function = getattr(item, "function", None)
+        starts_server = SERVER_FIXTURES.intersection(item.fixturenames) or (
+            function is not None and _refers_to(function.__code__, function.__globals__, cli_server, set()))
+        item.add_marker(pytest.mark.server if starts_server else pytest.mark.fast)
+
+
+def _refers_to(code: Any, module_globals: dict[str, Any], target: object, seen: set[Any]) -> bool:
+    """Whether ``code`` names ``target``, itself, in a function it defines, or in a function of its module
+    that it calls (so that a test starting its server through a helper is found too)."""
+    if code in seen:
+        return False
+    seen.add(code)
+    for name in code.co_names:
+        value = module_globals.get(name)
+        if value is target:
+            return True
+        if getattr(value, "__globals__", None) is module_globals and _refers_to(
+                value.__code__, module_globals, target, seen):
+            return True
+    return any(_refers_to(const, module_globals, target, seen) for const in code.co_consts
+               if hasattr(const, "co_names"))

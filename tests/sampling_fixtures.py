@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import GREEDY_TEMPERATURE_EPS
-from engine.worker.sampling_metadata import SamplingMetadata
+from engine.worker.sampling_metadata import LogitBias, SamplingMetadata
 
 
 def _per_row(value: float | Sequence[float], batch_size: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +74,9 @@ def make_metadata(
         repetition_penalties=repetition_t,
         prompt_token_ids=prompt,
         output_token_ids=output_token_ids or [[] for _ in range(batch_size)],
-        logit_bias=logit_bias,
+        logit_bias=LogitBias.from_rows([None if bias is None else (np.array(list(bias), dtype=np.int64),
+                                                                   np.array(list(bias.values()), dtype=np.float32))
+                                        for bias in logit_bias or ()], vocab_size, torch.device("cpu")),
         max_num_logprobs=max_num_logprobs,
         allowed_token_bitmask=bitmask,
         constrained_rows=rows,

@@ -161,8 +161,9 @@ def fake_server(fake_app: FastAPI) -> Iterator[str]:
     server = uvicorn.Server(uvicorn.Config(fake_app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the fake server did not start"
         time.sleep(0.01)
     yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
     server.should_exit = True

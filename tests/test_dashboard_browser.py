@@ -6,8 +6,9 @@ the background load (threads sending completions with httpx) preempts requests. 
 page's state on ``window.dashboard`` and its elements, and write screenshots under each test's
 ``tmp_path`` (their paths are printed; ``pytest -s`` shows them).
 
-The tests run in order and share one page, whose state accumulates: the load starts in the first test
-and stops in the KV-grid one; the request-life test opens the chat's reply of the test before it.
+The tests share one page, whose state accumulates, but each sets up what it needs (starting the load,
+sending its chat), so that any selection of them passes in any order: the load starts in the first test
+and stops in the KV-grid one; the request-life test sends a chat of its own.
 
 The tests skip, saying what is missing and how to install it, when playwright or Chromium is not
 there (``make test`` installs both where it can).
@@ -47,8 +48,8 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 16
 LOAD_THREADS = 4
 LOAD_MAX_TOKENS = 32
-#: Milliseconds the page gets to show something.
-WAIT_MS = 30_000
+#: Milliseconds the page gets to show something: a deadline for a loaded machine, not an expected time.
+WAIT_MS = 60_000
 
 
 def _prompt(thread: int, count: int) -> str:
@@ -206,9 +207,51 @@ def canvas(page: Page, element_id: str) -> dict:
     return page.evaluate(CANVAS_JS, element_id)
 
 
+def wait_for_redraw(page: Page, element_id: str, drawn: dict) -> dict:
+    """Wait until canvas ``element_id`` differs from ``drawn`` (a ``canvas()`` result); return the new one."""
+    wait_until(page, f"(hash) => ({CANVAS_JS})({element_id!r}).hash !== hash", drawn["hash"],
+               what=f"#{element_id} to be redrawn differently")
+    return canvas(page, element_id)
+
+
 def show_tab(page: Page, name: str) -> None:
     page.click(f"#tab-{name}")
     assert page.is_visible(f"#panel-{name}")
+
+
+#: The question the chat tests ask, and the reply's length in tokens.
+CHAT_PROMPT, CHAT_MAX_TOKENS = "Name three colours.", 24
+
+
+def send_chat(page: Page) -> str:
+    """Ask ``CHAT_PROMPT`` greedily in the chat tab and wait for the whole reply; returns its text."""
+    show_tab(page, "chat")
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-max-tokens", str(CHAT_MAX_TOKENS))
+    page.fill("#chat-input", CHAT_PROMPT)
+    replies = page.locator("#chat-log .assistant").count()
+    page.click("#chat-send")
+    wait_until(page, """(n) => { const r = document.querySelectorAll("#chat-log .assistant")[n];
+                                 return r && !r.classList.contains("streaming") && r.textContent.trim(); }""",
+               replies, what="a finished .assistant reply in #chat-log")
+    return page.locator("#chat-log .assistant").nth(replies).inner_text()
+
+
+#: The ids of the requests the page saw preempted and then finish, the latest first (so the first one is in
+#: the page's list of recent requests).
+PREEMPTED_AND_FINISHED_JS = ("Object.values(window.dashboard.requests)"
+                             ".filter((life) => life.preemptedAt.length && life.finish)"
+                             ".sort((a, b) => b.lastTime - a.lastTime).map((life) => life.id)")
+
+
+def preempted_and_finished(page: Page, load: Load) -> list[str]:
+    """What ``PREEMPTED_AND_FINISHED_JS`` lists, running the load (if it is not running) until it lists one."""
+    started = not load.running
+    load.start()
+    wait_until(page, f"() => {PREEMPTED_AND_FINISHED_JS}.length", what="a load request preempted, then finished")
+    if started:
+        load.stop()
+    return page.evaluate(f"() => {PREEMPTED_AND_FINISHED_JS}")
 
 
 # ---------------------------------------------------------------- the engine tab, under load
@@ -223,10 +266,8 @@ def test_the_timeline_advances_under_load(page, load, tmp_path):
                seen, what="20 more step records, the last with requests")
     step, drawn = state(page, "lastStep.step"), canvas(page, "timeline")
     wait_until(page, "(s) => window.dashboard.lastStep.step > s + 5", step, what="the last step to move on")
-    page.wait_for_timeout(200)  # the next animation frame draws it
-    redrawn = canvas(page, "timeline")
+    redrawn = wait_for_redraw(page, "timeline", drawn)  # on the next animation frame
     assert redrawn["painted"] > 1000, f"#timeline: expected columns drawn, got {redrawn['painted']} painted pixels"
-    assert redrawn["hash"] != drawn["hash"], "#timeline: expected a redraw with the new steps, got the same pixels"
     last = state(page, "lastStep")
     assert last["max_num_batched_tokens"] == 256 and last["kv_blocks"]["total"] in (NUM_BLOCKS, NUM_BLOCKS - 1)
     screenshot(page, tmp_path, "timeline-under-load")
@@ -257,14 +298,13 @@ def test_clicking_a_kv_block_shows_its_request(page, load, tmp_path):
     # make one row, so the canvas's height is the cell's size.
     cell = box["height"]
     cols = int(box["width"] // cell)
-    for _ in range(5):  # the next snapshot (once a second) may free the block before the click
+    deadline = time.monotonic() + WAIT_MS / 1000
+    # The next snapshot (once a second) may free the block before the click: then click the next one in use.
+    while not page.locator("#request-life h4").count():
+        assert time.monotonic() < deadline, "#request-life: expected a request after a click on a block in use"
+        wait_until(page, "() => window.dashboard.kv.states.includes('U')", what="a KV snapshot with blocks in use")
         block = page.evaluate("() => window.dashboard.kv.states.indexOf('U')")
-        if block > 0:
-            page.mouse.click(box["x"] + (block % cols + 0.5) * cell, box["y"] + (block // cols + 0.5) * cell)
-            if page.locator("#request-life h4").count():
-                break
-        page.wait_for_timeout(300)
-    assert page.locator("#request-life h4").count(), "#request-life: expected a request after the click, got none"
+        page.mouse.click(box["x"] + (block % cols + 0.5) * cell, box["y"] + (block // cols + 0.5) * cell)
     shown = page.inner_text("#request-life h4").strip()
     assert shown.startswith("cmpl-"), f"#request-life h4: expected a load request's id, got {shown!r}"
     assert "arrival" in page.inner_text("#request-life")
@@ -276,16 +316,15 @@ def test_the_kv_grid_follows_requests_as_they_arrive_and_finish(page, load, dash
     load is over it has none, and the grid is drawn differently."""
     show_tab(page, "engine")
     load.start()
-    snapshots = set()
-    deadline = time.monotonic() + 20
-    while len(snapshots) < 3:
-        assert time.monotonic() < deadline, f"window.dashboard.kv.states: expected 3 different, got {snapshots}"
-        kv = state(page, "kv")
-        if kv and "U" in kv["states"]:
-            snapshots.add(kv["states"])
-            assert len(kv["states"]) == kv["num_blocks"] == NUM_BLOCKS and kv["states"][0] == "N"
-            assert kv["block_size"] == BLOCK_SIZE and kv["owners"], kv
-        page.wait_for_timeout(300)
+    # The page keeps each different snapshot with blocks in use that it polls, until it has three.
+    wait_until(page, """() => { const kv = window.dashboard.kv;
+                                window.__kvInUse = window.__kvInUse || {};
+                                if (kv && kv.states.includes("U")) window.__kvInUse[kv.states] = kv;
+                                return Object.keys(window.__kvInUse).length >= 3; }""",
+               what="3 different KV snapshots with blocks in use")
+    for kv in page.evaluate("() => Object.values(window.__kvInUse)"):
+        assert len(kv["states"]) == kv["num_blocks"] == NUM_BLOCKS and kv["states"][0] == "N"
+        assert kv["block_size"] == BLOCK_SIZE and kv["owners"], kv
     loaded = canvas(page, "kv-grid")
     screenshot(page, tmp_path, "kv-under-load")
     load.stop()
@@ -294,7 +333,7 @@ def test_the_kv_grid_follows_requests_as_they_arrive_and_finish(page, load, dash
                "!Object.keys(window.dashboard.kv.owners).length", what="a KV snapshot with no block in use")
     kv = state(page, "kv")
     assert set(kv["states"][1:]) <= {"C", "F"} and "C" in kv["states"], kv["states"]  # prefix caching keeps them
-    assert canvas(page, "kv-grid")["hash"] != loaded["hash"], "#kv-grid: expected a redraw once idle"
+    wait_for_redraw(page, "kv-grid", loaded)  # once idle
     screenshot(page, tmp_path, "kv-idle")
 
 
@@ -315,27 +354,19 @@ def test_the_page_counts_every_preemption_once(page, load, dash_server):
 def test_the_chat_streams_an_answer(page, dash_server, tmp_path):
     """(d) The chat sends a streamed request with the form's sampling fields and shows the reply as
     it comes: the greedy reply the API gives, appearing in more than one piece."""
-    show_tab(page, "chat")
-    page.fill("#chat-temperature", "0")
-    page.fill("#chat-max-tokens", "24")
-    page.fill("#chat-input", "Name three colours.")
-    # Every length the reply's text takes while it streams.
+    # Every length the streaming reply's text takes.
     page.evaluate("""() => {
       window.__replyLengths = [];
       new MutationObserver(() => {
-        const reply = document.querySelector("#chat-log .assistant");
-        if (reply && reply.classList.contains("streaming")) window.__replyLengths.push(reply.textContent.length);
+        const reply = document.querySelector("#chat-log .assistant.streaming");
+        if (reply) window.__replyLengths.push(reply.textContent.length);
       }).observe(document.getElementById("chat-log"), {childList: true, subtree: true, characterData: true});
     }""")
-    page.click("#chat-send")
-    wait_until(page, """() => { const r = document.querySelector("#chat-log .assistant");
-                                return r && !r.classList.contains("streaming") && r.textContent.trim(); }""",
-               what="a finished .assistant reply in #chat-log")
-    text = page.inner_text("#chat-log .assistant")
+    text = send_chat(page)
     lengths = sorted(set(page.evaluate("() => window.__replyLengths")) - {0})
     assert len(lengths) >= 2, f".assistant: expected the text to grow while streaming, got lengths {lengths}"
     expected = httpx.post(f"{dash_server.url}/v1/chat/completions", timeout=60, json={
-        "messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0, "max_tokens": 24,
+        "messages": [{"role": "user", "content": CHAT_PROMPT}], "temperature": 0, "max_tokens": CHAT_MAX_TOKENS,
     }).json()["choices"][0]["message"]["content"]
     assert text.strip() == expected.strip()
     assert page.locator("#chat-log .error").count() == 0
@@ -343,10 +374,10 @@ def test_the_chat_streams_an_answer(page, dash_server, tmp_path):
     screenshot(page, tmp_path, "chat")
 
 
-def test_the_chat_request_id_and_the_recent_list_show_request_lives(page, tmp_path):
+def test_the_chat_request_id_and_the_recent_list_show_request_lives(page, load, tmp_path):
     """(e) The chat's request id opens its life in the Engine tab; a preempted load request, clicked
     in the recent list, shows its steps, its preemptions and its finish."""
-    show_tab(page, "chat")
+    send_chat(page)
     page.click("#chat-request-id a")
     assert page.is_visible("#panel-engine")
     chat_id = page.get_attribute("#chat-request-id a", "data-request")
@@ -356,9 +387,7 @@ def test_the_chat_request_id_and_the_recent_list_show_request_lives(page, tmp_pa
     assert page.evaluate("(id) => window.dashboard.requests[id].finish.reason", chat_id) in ("length", "stop")
     screenshot(page, tmp_path, "chat-request-life")
 
-    preempted = page.evaluate("() => Object.values(window.dashboard.requests).filter((life) => "
-                              "life.preemptedAt.length && life.finish).map((life) => life.id)")
-    assert preempted
+    preempted = preempted_and_finished(page, load)
     item = page.locator(f"#recent-requests li[data-request='{preempted[0]}']")
     item.click()
     wait_until(page, "(id) => document.querySelector('#request-life h4').textContent.startsWith(id)",

@@ -22,6 +22,8 @@ import pytest
 from engine.model import loader
 from server.cli import build_parser, resolve_settings
 
+pytestmark = pytest.mark.infra
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
 ENTRYPOINT_SCRIPT = ROOT / "scripts" / "image_entrypoint.sh"

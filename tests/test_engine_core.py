@@ -62,10 +62,27 @@ def test_max_num_batched_tokens_below_max_num_seqs_is_refused_not_raised_silentl
 
 
 def test_profile_forward_runs_the_largest_step(tiny_folder):
+    """300 tokens over 2 sequences of at most max_model_len - 1 tokens (127, 127, 46), then logits for
+    the 2 rows the sampler would take."""
     source = resolve_model_path(tiny_folder)
     model = load_model(source, load_hf_config(source), torch.float32, torch.device("cpu"))
-    profile_forward(model, num_tokens=300, num_seqs=4, max_model_len=128, block_size=16, dtype=torch.float32,
+    ran = {}
+    forward, compute_logits = model.forward, model.compute_logits
+
+    def recorded_forward(input_ids, positions, *args):
+        ran["input_ids"], ran["positions"] = input_ids, positions.tolist()
+        return forward(input_ids, positions, *args)
+
+    def recorded_logits(hidden_states):
+        ran["logits"] = compute_logits(hidden_states)
+        return ran["logits"]
+
+    model.forward, model.compute_logits = recorded_forward, recorded_logits
+    profile_forward(model, num_tokens=300, num_seqs=2, max_model_len=128, block_size=16, dtype=torch.float32,
                     device=torch.device("cpu"))
+    assert ran["input_ids"].shape == (300,)
+    assert ran["positions"] == [*range(127), *range(127), *range(46)]
+    assert ran["logits"].shape == (2, 256) and ran["logits"].isfinite().all()
 
 
 def test_abort_is_applied_and_reported_in_a_cleanup_step(tiny_folder):

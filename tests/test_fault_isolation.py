@@ -153,8 +153,8 @@ def test_fault_in_row_inputs(tiny_llama_folder, reference, monkeypatch):
     assert_isolated(core, tokens, errors, reference, "inconsistent row")
 
 
-def test_bad_logit_bias_fails_in_the_sampler(tiny_llama_folder, reference):
-    """A real trigger: a ``logit_bias`` token id outside the vocabulary raises in the batched sampler."""
+def test_bad_logit_bias_fails_as_its_row_enters_the_batch(tiny_llama_folder, reference):
+    """A real trigger: a ``logit_bias`` token id outside the vocabulary raises in ``InputBatch.add_request``."""
     core = make_core(tiny_llama_folder)
     tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5, logit_bias={10**6: 1.0}))
     assert_isolated(core, tokens, errors, reference, "logit_bias")
@@ -167,7 +167,7 @@ def test_fault_after_the_draws_keeps_seeded_rows_reproducible(tiny_llama_folder,
 
     def failing_after_draws(self, logits, metadata):
         result = forward(self, logits, metadata)
-        if metadata.logit_bias and any(bias == MARKER for bias in metadata.logit_bias):
+        if metadata.logit_bias is not None:  # only the faulty request has a bias
             raise RuntimeError("sample injected")
         return result
 

@@ -33,6 +33,8 @@ from benchmarks.gpu.report import goals, render_markdown, write_summary
 from benchmarks.gpu_check import parse_sections
 from benchmarks.step_profile import ATTENTION_ROW, PHASE_REGIONS, REST_ROW, STEP_REGION
 
+pytestmark = pytest.mark.infra
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
 # Imported first thing by Python: the packages the GPU machine lacks cannot be imported.

@@ -30,6 +30,8 @@ from packaging.version import Version
 from engine.metrics.prometheus import PrometheusStatLogger
 from server.app import ServerArgs, build_app
 
+pytestmark = pytest.mark.infra
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy" / "kubernetes"
 GATEWAY = DEPLOY / "gateway"

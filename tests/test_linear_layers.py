@@ -262,6 +262,7 @@ def _run_rank(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_two_ranks_give_the_logits_of_the_whole_model(tmp_path: Path) -> None:
     """Column/row splits, the all-reduces, the vocabulary-split embedding and the gathered (tied) head."""

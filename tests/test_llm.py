@@ -14,6 +14,8 @@ from engine import LLM, SamplingParams
 from engine.model.loader import gguf_cache_folder, resolve_model_path
 from tests.model_fixtures import tiny_hf_model
 
+pytestmark = pytest.mark.slow
+
 PROMPT_LENGTHS = [5, 17, 40, 96, 150, 260, 420, 600]
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import sys
 import time
+from datetime import datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -271,9 +273,39 @@ def test_json_log_lines_carry_time_level_logger_message_and_traceback() -> None:
         ServerArgs(log_stats_interval_s=-1)
 
 
+def _log_lines(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
 def _stats_lines(log: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    return [line for line in lines if line["logger"] == "engine.metrics.loggers"]
+    return [line for line in _log_lines(log) if line["logger"] == "engine.metrics.loggers"]
+
+
+def _logged_at(line: dict[str, Any]) -> float:
+    """When the server logged ``line``: UNIX seconds."""
+    return datetime.fromisoformat(line["time"]).timestamp()
+
+
+def _wait_for_stats_line(log: Path, text: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Poll the log until a stats line holds ``text``; returns it."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := [line for line in _stats_lines(log) if text in line["message"]]):
+        assert time.monotonic() < deadline, f"no stats line with {text!r} after {timeout_s} s"
+        time.sleep(0.05)
+    return found[0]
+
+
+def _wait_for_server_time(url: str, log: Path, moment: float, timeout_s: float = 120.0) -> None:
+    """Ask for /health until the server logs an access line at ``moment`` (UNIX seconds) or later.
+
+    However loaded the machine, the server's event loop has then run every periodic stats log due before
+    ``moment``: a line they logged would be in the log by now.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not any(line["logger"] == "uvicorn.access" and _logged_at(line) >= moment for line in _log_lines(log)):
+        assert time.monotonic() < deadline, f"the server's log did not reach {moment} within {timeout_s} s"
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        time.sleep(0.05)
 
 
 def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_path: Path) -> None:
@@ -288,26 +320,29 @@ def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_pat
             "--log-stats-interval-s", str(interval_s), "--speculative-config", json.dumps(NGRAM)]
     # TQDM_DISABLE: the weight loader's progress bar is no log line (the image sets it too).
     with cli_server(tmp_path, *args, env={"TQDM_DISABLE": "1"}) as (url, process):
-        time.sleep(2 * interval_s)
-        assert _stats_lines(log) == [], "a stats line before any request"
+        started = next(line for line in _log_lines(log) if "startup complete" in line["message"])
+        _wait_for_server_time(url, log, _logged_at(started) + 3 * interval_s)
+        assert _stats_lines(log) == [], "a stats line while idle, before any request"
         body = {"prompt": PASSAGE * 2 + PASSAGE[:60].rstrip(), "max_tokens": 48, "ignore_eos": True}
-        started = time.monotonic()
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
-        busy_s = time.monotonic() - started
-        time.sleep(2 * interval_s)  # the interval holding the request's end is logged after it
-        busy_lines = _stats_lines(log)
-        throughput = [line for line in busy_lines if "generation throughput" in line["message"]]
-        speculative = [line for line in busy_lines if line["message"].startswith("speculative decoding: mean ")]
-        assert throughput and speculative and len(throughput) + len(speculative) == len(busy_lines)
-        assert len(throughput) <= busy_s / interval_s + 2
+        # The interval holding the request's end is logged after it: nothing runs any more. Then idle
+        # intervals pass, which log nothing: that line stays the last.
+        ended = _wait_for_stats_line(log, "running 0 reqs, waiting 0 reqs")
+        _wait_for_server_time(url, log, _logged_at(ended) + 3 * interval_s)
+        lines = _stats_lines(log)
+        throughput = [line for line in lines if "generation throughput" in line["message"]]
+        speculative = [line for line in lines if line["message"].startswith("speculative decoding: mean ")]
+        assert throughput and speculative and len(throughput) + len(speculative) == len(lines)
+        assert throughput[-1] == ended, "stats lines while idle"
+        # One line per interval, not per step (the log's times are rounded to the millisecond).
+        logged = [_logged_at(line) for line in throughput]
+        assert all(later - earlier >= interval_s - 0.002 for earlier, later in itertools.pairwise(logged)), logged
         samples = scrape(url)
         assert value(samples, "spec_decode_num_accepted_tokens_total") > 0
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
             ours, vllm = ({labels: v for (n, labels), v in samples.items() if n == f"{prefix}:spec_decode_{name}_total"}
                           for prefix in ("pagedserve", "vllm"))
             assert ours and ours == vllm, name
-        time.sleep(4 * interval_s)
-        assert _stats_lines(log) == busy_lines, "stats lines while idle"
         access = [json.loads(line) for line in log.read_text().splitlines() if "POST /v1/completions" in line]
         assert [line["logger"] for line in access] == ["uvicorn.access"]
         uvicorn_lines = [json.loads(line) for line in log.read_text().splitlines() if "startup complete" in line]

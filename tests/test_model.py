@@ -39,6 +39,8 @@ from tests.model_fixtures import (
     tiny_hf_model,
 )
 
+pytestmark = pytest.mark.slow
+
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
 

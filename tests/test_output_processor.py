@@ -220,6 +220,35 @@ def test_prompt_logprobs_and_cached_tokens_pass_through(tokenizer):
     assert first.num_cached_tokens == second.num_cached_tokens == 16
 
 
+def test_only_child_0_computes_prompt_logprobs(tokenizer):
+    """Regression (issue 26): every child computed the prompt's logprobs (and so got no prefix-cache hits),
+    though one set is returned."""
+    processor = OutputProcessor(tokenizer)
+    children = add(processor, tokenizer, RequestOutputKind.FINAL_ONLY, n=3, prompt_logprobs=2, logprobs=1)
+    assert [params.prompt_logprobs for _, params in children] == [2, None, None]
+    assert [params.logprobs for _, params in children] == [1, 1, 1]
+
+
+def test_delta_holds_siblings_until_child_0_has_the_whole_prompt_logprobs(tokenizer):
+    """A sibling hitting child 0's cached blocks may sample while child 0 is still prefilling (chunks of
+    long_prefill_token_threshold): its output waits, so that the first one carries all the prompt's logprobs."""
+    processor = OutputProcessor(tokenizer)
+    add(processor, tokenizer, RequestOutputKind.DELTA, n=2, prompt_logprobs=0)
+    num_prompt = len(encode(tokenizer, PROMPT))
+    first_half = [None] + [logprobs_of(5, -1.0)] * (num_prompt // 2 - 1)
+    rest = [logprobs_of(6, -2.0)] * (num_prompt - len(first_half))
+    ids = encode(tokenizer, "Hello world")
+    held = processor.process_outputs([EngineCoreOutput("0_req", [], new_prompt_logprobs=first_half),
+                                      EngineCoreOutput("1_req", [ids[0]])])
+    assert held.request_outputs == []
+    [output] = processor.process_outputs([EngineCoreOutput("0_req", [ids[1]], new_prompt_logprobs=rest),
+                                          EngineCoreOutput("1_req", [ids[1]])]).request_outputs
+    assert output.prompt_logprobs == first_half + rest
+    assert [(c.index, c.token_ids) for c in output.outputs] == [(0, [ids[1]]), (1, [ids[0], ids[1]])]
+    [later] = processor.process_outputs([EngineCoreOutput("1_req", [ids[0]])]).request_outputs
+    assert later.prompt_logprobs is None and [c.token_ids for c in later.outputs] == [[ids[0]]]
+
+
 def test_abort_requests_forgets_parent_and_children(tokenizer):
     processor = OutputProcessor(tokenizer)
     add(processor, tokenizer, RequestOutputKind.DELTA, n=3)

@@ -15,6 +15,8 @@ import pytest
 from engine.config import cache_dir
 from tests.conftest import cli_server
 
+pytestmark = pytest.mark.infra
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

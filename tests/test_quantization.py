@@ -174,6 +174,7 @@ def gguf_model(gguf_llm):
     return gguf_llm.engine_core.executor.worker.model
 
 
+@pytest.mark.slow
 def test_gguf_weights_dequantize_bitwise_to_the_float_paths_weights(gguf_model) -> None:
     """Every projection (Q4_1), the embedding table (Q8_0) and the tied head that shares it."""
     float_weights = load_file(f"{gguf_cache_folder(resolve_model_path(None)).path}/model.safetensors")
@@ -198,6 +199,7 @@ def float_model():
     return load_model(folder, load_hf_config(folder), torch.float32, CPU)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", [False, True], ids=["dequantize", "kernel"])
 def test_gguf_greedy_matches_float32_up_to_near_ties(gguf_llm, gguf_model, float_model, kernel) -> None:
     """The blocks dequantized and multiplied in float32 (the CUDA path, forced on the CPU) are the float
@@ -228,6 +230,7 @@ def test_gguf_greedy_matches_float32_up_to_near_ties(gguf_llm, gguf_model, float
         assert greedy_verdict(comparisons, "float32") == "pass", comparisons
 
 
+@pytest.mark.slow
 def test_gguf_decode_kernel_keeps_the_next_token_distributions(gguf_llm, gguf_model) -> None:
     """The C kernel's int8 activations against the dequantize path, 160 tokens fed as decode steps
     (benchmarks/quant_error.py measures the same on 20k tokens)."""

@@ -28,6 +28,8 @@ from server.replicas.prefix_tree import PrefixTree
 from server.replicas.settings import ReplicaSettings
 from tests.conftest import Served, free_port, sse_payloads
 
+pytestmark = pytest.mark.infra
+
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 

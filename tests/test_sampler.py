@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import numpy as np
@@ -10,7 +9,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from engine.sampling_params import SamplingParams
 from engine.worker import sample_ops
+from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sample_ops import (
     LOGITS_OPS,
     apply_min_p,
@@ -206,10 +207,34 @@ def test_penalties_match_a_per_token_reference_on_random_batches():
     torch.testing.assert_close(apply_penalties(logits, metadata), expected, rtol=0, atol=1e-5)
 
 
-def test_logit_bias_rejects_token_ids_outside_vocab():
-    metadata = make_metadata(1, logit_bias=[{10: 1.0}])
-    with pytest.raises(ValueError, match="logit_bias"):
-        process_logits(torch.zeros(1, 10), metadata)
+def _batch_with(params: list[SamplingParams], vocab_size: int = 10) -> InputBatch:
+    batch = InputBatch(max_num_reqs=4, max_model_len=8, max_num_blocks_per_req=2, block_size=4,
+                       vocab_size=vocab_size, device=torch.device("cpu"))
+    for i, p in enumerate(params):
+        batch.add_request(CachedRequestState(f"r{i}", [1, 2], p, None, [1], 0))
+    return batch
+
+
+def test_logit_bias_rejects_token_ids_outside_vocab_as_the_row_enters_the_batch():
+    batch = _batch_with([SamplingParams(logit_bias={3: 1.0})])
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, 10\), got 10"):
+        batch.add_request(CachedRequestState("bad", [1, 2], SamplingParams(logit_bias={3: 1.0, 10: 1.0}), None,
+                                             [2], 0))
+    assert batch.req_ids[:2] == ["r0", None]
+
+
+def test_persistent_batch_applies_each_rows_logit_bias_with_drafts_repeating_rows():
+    """The batch's flat bias equals the rows' own, and a row scoring k drafts repeats its bias k + 1 times."""
+    params = [SamplingParams(logit_bias={0: 1.5, 9: -100.0}), SamplingParams(), SamplingParams(logit_bias={4: 2.0})]
+    batch = _batch_with(params)
+    batch.set_draft_tokens({"r2": [7]})
+    logits = torch.zeros(3, 10)
+    biased = process_logits(logits, batch.make_sampling_metadata(np.arange(3)))
+    expected = torch.zeros(3, 10)
+    expected[0, 0], expected[0, 9], expected[2, 4] = 1.5, -100.0, 2.0
+    assert torch.equal(biased, expected) and torch.equal(logits, torch.zeros(3, 10))
+    per_position = process_logits(torch.zeros(4, 10), batch.make_sampling_metadata(np.arange(3), per_position=True))
+    assert torch.equal(per_position, torch.cat([expected, expected[2:]]))
 
 
 @pytest.mark.parametrize("op", [*LOGITS_OPS, apply_top_k_top_p, apply_min_p])
@@ -277,41 +302,6 @@ def test_compute_logprobs_tensors_for_given_tokens():
     torch.testing.assert_close(result.logprobs[:, 0], logprobs[[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="num_logprobs"):
         compute_logprobs_tensors(logprobs, torch.tensor([2, 3]), num_logprobs=5)
-
-
-def test_sampler_forward_speed_report():
-    """Prints forward times for B=64, V=49152 (a report, not an assertion); run with -s.
-
-    Peaked logits (nucleus of ~10 tokens) are settled by the partial top-k;
-    flat ones (nucleus of ~25k tokens) send the top-p rows to a full sort.
-    """
-    batch_size, vocab_size = 64, 49152
-    gen = torch.Generator().manual_seed(6)
-    prompts = torch.randint(0, vocab_size, (batch_size, 512), generator=gen).tolist()
-    outputs = torch.randint(0, vocab_size, (batch_size, 256), generator=gen).tolist()
-    greedy_only = make_metadata(batch_size, temperature=0.0, vocab_size=vocab_size)
-    all_features = make_metadata(
-        batch_size, temperature=[0.0, 0.8] * (batch_size // 2), top_k=[50, 0] * (batch_size // 2),
-        top_p=0.9, min_p=0.05, generators={row: torch.Generator().manual_seed(row) for row in range(16)},
-        presence=0.5, frequency=0.3, repetition=1.1, prompt_token_ids=prompts,
-        output_token_ids=outputs, vocab_size=vocab_size,
-        logit_bias=[{t: 1.0 for t in range(10)}] * batch_size, max_num_logprobs=5)
-    peaked = 5 * torch.randn(batch_size, vocab_size, generator=gen)
-    flat = torch.randn(batch_size, vocab_size, generator=gen)
-    cases = {"greedy-only": (peaked, greedy_only), "all features, peaked logits": (peaked, all_features),
-             "all features, flat logits": (flat, all_features)}
-    sampler = Sampler()
-    for name, (logits, metadata) in cases.items():
-        sampler(logits, metadata)
-        wall, cpu = [], []
-        for _ in range(5):
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            sampler(logits, metadata)
-            wall.append(time.perf_counter() - start_wall)
-            cpu.append(time.process_time() - start_cpu)
-        print(f"\nsampler forward B={batch_size} V={vocab_size} {name}: "
-              f"wall median {1e3 * sorted(wall)[2]:.1f} ms (min {1e3 * min(wall):.1f}), "
-              f"process CPU min {1e3 * min(cpu):.1f} ms")
 
 
 def _penalties_bias_and_mask_metadata(device: torch.device) -> tuple[torch.Tensor, SamplingMetadata]:

@@ -52,7 +52,7 @@ def joined_text(events: list[Any], index: int = 0) -> str:
     return "".join(pieces)
 
 
-def wait_until_idle(engine: AsyncLLM, timeout_s: float = 10.0) -> None:
+def wait_until_idle(engine: AsyncLLM, timeout_s: float = 60.0) -> None:
     """Wait for no running or waiting request and no KV block in use."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -430,6 +430,7 @@ def test_a_dead_engine_fails_the_stream_and_ends_the_process_non_zero(tmp_path: 
     assert "injected engine fault" in (tmp_path / "server.log").read_text()
 
 
+@pytest.mark.server  # runs `python -m server serve`
 @pytest.mark.parametrize("args, message", [
     (["/no/such/model"], "model path '/no/such/model' is not a folder or a .gguf file"),
     (["--max-model-len", "8192", "--kv-cache-memory-bytes", "64MiB"],
@@ -444,6 +445,7 @@ def test_start_up_errors_are_one_line_and_exit_2(args: list[str], message: str) 
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
 
 
+@pytest.mark.server  # runs `python -m server serve`
 def test_port_in_use_is_found_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.async_llm import AsyncLLM, QueueFullError
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, EngineArgs, ModelConfig
 from engine.core.scheduler import SchedulerStats
 from engine.input_processor import InputProcessor
 from engine.model.loader import gguf_cache_folder, resolve_model_path
@@ -351,8 +352,8 @@ class _GatedCore:
         model_config = ModelConfig(path="unused", served_model_name="gated", hf_config=None, max_model_len=64,
                                    vocab_size=49152, generation_defaults={})
         self.config = SimpleNamespace(model_config=model_config,
-                                      args=SimpleNamespace(max_waiting_requests=max_waiting_requests,
-                                                           step_record_buffer_size=0))
+                                      args=EngineArgs(max_waiting_requests=max_waiting_requests,
+                                                      step_record_buffer_size=0))
         self.gate = threading.Event()
         self.requests: list[EngineCoreRequest] = []
 
@@ -374,6 +375,9 @@ class _GatedCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.requests = [r for r in self.requests if r.request_id not in request_ids]
 
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        pass  # no worker to die
+
     def shutdown(self) -> None:
         pass
 
@@ -387,19 +391,24 @@ def test_queued_requests_count_as_waiting_before_the_engine_applies_them() -> No
         core = _GatedCore(max_waiting_requests=3)
         processor = InputProcessor(core.config.model_config, tokenizer, CacheConfig(64, 16), max_logprobs=20)
         engine = AsyncLLM(core, processor, asyncio.get_running_loop())
+
+        async def until(condition: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not condition():
+                assert time.monotonic() < deadline, what
+                await asyncio.sleep(0.01)
+
         started = []
-        for request_id, n in [("two", 2), ("one", 1)]:
+        for request_id, n, submitted in [("two", 2, 2), ("one", 1, 3)]:
             outputs = engine.generate(processor.process([1, 2], SamplingParams(max_tokens=2, n=n)), request_id)
             started.append(asyncio.ensure_future(anext(outputs)))
-            await asyncio.sleep(0.05)  # the request is queued; the engine thread waits at the gate
-        assert engine.num_waiting_requests() == 3 and engine.get_stats().num_waiting_reqs == 0
+            # The request is queued; the engine thread waits at the gate.
+            await until(lambda count=submitted: engine.num_waiting_requests() == count, f"{request_id} submitted")
+        assert engine.get_stats().num_waiting_reqs == 0
         with pytest.raises(QueueFullError):
             await anext(engine.generate(processor.process([1, 2], SamplingParams(max_tokens=2)), "refused"))
         core.gate.set()
-        deadline = time.monotonic() + 10
-        while engine.get_stats().num_waiting_reqs != 3:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.01)
+        await until(lambda: engine.get_stats().num_waiting_reqs == 3, "the engine applied the requests")
         assert engine.num_waiting_requests() == 3  # now all in the scheduler's count, none counted twice
         for task in started:
             task.cancel()

@@ -292,6 +292,7 @@ def ngram_llm() -> LLM:
                long_prefill_token_threshold=32, num_gpu_blocks_override=14)
 
 
+@pytest.mark.slow
 def test_prompt_lookup_greedy_output_equals_plain_decoding_on_real_weights(ngram_llm, grounded_prompts,
                                                                          real_reference):
     outputs = [o.outputs[0].token_ids for o in ngram_llm.generate(grounded_prompts, REAL_GREEDY, use_tqdm=False)]
@@ -302,6 +303,7 @@ def test_prompt_lookup_greedy_output_equals_plain_decoding_on_real_weights(ngram
     assert spec.num_drafts > 0 and spec.num_accepted_tokens > spec.num_draft_tokens / 2  # copying pays
 
 
+@pytest.mark.slow
 def test_seeded_random_sampling_with_prompt_lookup_is_reproducible(ngram_llm, grounded_prompts):
     """The same request gives the same tokens, though the second time its prompt is a prefix-cache hit.
 

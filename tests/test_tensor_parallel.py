@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ from engine.executor.multiproc import MultiprocExecutor, WorkerDiedError, step_d
 from engine.outputs import ModelRunnerOutput
 from engine.request import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from tests.conftest import TEST_ENGINE_ARGS, Served
+from tests.conftest import TEST_ENGINE_ARGS, Served, cli_server
 from tests.model_fixtures import tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -69,6 +70,7 @@ def generate(folder: str, tensor_parallel_size: int) -> tuple[list[list[int]], i
         core.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_generate_what_one_does(family: str, tmp_path: Path) -> None:
     tied, overrides = FAMILIES[family]
@@ -84,6 +86,7 @@ def test_a_size_the_heads_do_not_split_over_is_refused_before_any_rank_starts(ti
         EngineConfig.from_args(EngineArgs(model=tiny_llama_folder, tensor_parallel_size=3))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_ranks_configuration_error_is_raised_as_itself(tiny_llama_folder: str) -> None:
     """As at size 1: the CLI turns it into a usage error (exit 2), not an engine crash (exit 1)."""
@@ -104,6 +107,7 @@ def test_ranks_that_sample_differently_have_different_step_digests() -> None:
         assert step_digest(other) != step_digest(output)
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_to_start_fails_the_start_and_leaves_no_process(tmp_path: Path) -> None:
     tiny_hf_model("llama", tmp_path, tie_word_embeddings=False)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
@@ -159,20 +163,20 @@ def test_a_killed_rank_fails_the_request_in_flight_and_the_server_reports_it(ser
     pids = served_tp3.engine.engine_core.executor.worker_pids
     body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True, "stream": True,
             "temperature": 0.0}
+    # The engine waits on the ranks' process sentinels, so the stream ends as the rank dies: the client's
+    # read timeout (60 s without a byte) fails the test if it hangs instead.
     with httpx.Client(base_url=served_tp3.url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # generating
             os.kill(pids[2], signal.SIGKILL)
-            start = time.monotonic()
             rest = [line for line in lines if line.startswith("data: ")]
-        assert time.monotonic() - start < 30
         errors = [line for line in rest if '"error"' in line]
         assert errors and "tensor-parallel rank 2" in errors[0], rest[-3:]
         assert client.get("/health").status_code == 503
         refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert refused.status_code >= 500 and "error" in refused.json()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids), "ranks outlived the engine"
@@ -185,3 +189,22 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_rank_killed_while_idle_stops_the_server_without_a_request(tmp_path: Path) -> None:
+    """The executor's rank monitor wakes the idle engine, which fails (/health answers 503) and the CLI exits
+    with status 1 so that an orchestrator restarts it: no request, no probe, finds the rank gone."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in TEST_ENGINE_ARGS.items()]
+    log = tmp_path / "server.log"
+    with cli_server(tmp_path, *flags, "--tensor-parallel-size=3") as (_, process):
+        ready = re.search(r"tensor-parallel workers ready \(pids \[([\d, ]+)\]\)", log.read_text())
+        pids = [int(pid) for pid in ready.group(1).split(",")]
+        os.kill(pids[1], signal.SIGKILL)
+        assert process.wait(timeout=120) == 1
+    text = log.read_text()
+    assert f"tensor-parallel rank 1 (pid {pids[1]}) was killed by SIGKILL" in text
+    assert "/health answers 503" in text and "exiting with status 1 because the engine died" in text
+    deadline = time.monotonic() + 60
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "ranks outlived the server"

@@ -113,6 +113,7 @@ def test_profile_report_says_when_no_attention_region_was_recorded() -> None:
     assert "No attention region was recorded" in profile_report(profile)
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = tmp_path / "quick.json"
     assert throughput.main(["--quick", "--threads", "1", "--profile", "--result-json", str(result)]) == 0

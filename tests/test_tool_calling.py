@@ -4,6 +4,7 @@ parser, grammar and prompt fallback on hand-written model outputs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -166,7 +167,8 @@ def test_tokenize_renders_tools_as_chat_does(client: httpx.Client) -> None:
 def grammar_accepts(served: Served, text: str, **request: Any) -> bool:
     """Whether the tool grammar of a request with ``TOOLS`` and ``request``'s fields takes all of ``text``."""
     chat = ChatCompletionRequest(messages=ASK, tools=TOOLS, **request)
-    grammar = HermesToolParser.grammar(plan_tools(chat, *chat.structured_output()))
+    plan = asyncio.run(plan_tools(chat, *chat.structured_output(), served.engine.processor.grammars))
+    grammar = HermesToolParser.grammar(plan)
     matcher = served.engine.processor.grammars.compile(StructuredOutputsParams(grammar=grammar)).result().deep_copy()
     tokens = served.engine.tokenizer.encode(text)
     return all(matcher.consume_token(token) for token in tokens) and matcher.is_accepting()
@@ -266,17 +268,18 @@ def test_the_tool_parser_is_chosen_by_name_or_from_the_chat_template() -> None:
         tool_parser_class("mistral", "")
 
 
-def test_a_template_that_shows_tools_in_another_format_gets_the_parsed_format_s_prompt() -> None:
+def test_a_template_that_shows_tools_in_another_format_gets_the_parsed_format_s_prompt(served: Served) -> None:
     """A template that renders ``tools`` but writes calls in a format no parser reads (here a made-up
     one) must not describe that format while the reply is held to and parsed as hermes."""
     class Tokenizer:
         chat_template = "{% for tool in tools %}<function>{{ tool }}</function>{% endfor %}"
 
     request = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice="required")
-    messages, tools = render_inputs(request.messages, plan_tools(request, None, None), HermesToolParser, Tokenizer())
+    plan = asyncio.run(plan_tools(request, None, None, served.engine.processor.grammars))
+    messages, tools = render_inputs(request.messages, plan, HermesToolParser, Tokenizer())
     assert tools is None and "<tool_call>" in messages[0]["content"]
     Tokenizer.chat_template += "{{ '<tool_call>' }}"  # a hermes template shows its tools itself
-    messages, tools = render_inputs(request.messages, plan_tools(request, None, None), HermesToolParser, Tokenizer())
+    messages, tools = render_inputs(request.messages, plan, HermesToolParser, Tokenizer())
     assert tools is not None and messages == conversation(request.messages)
 
 

@@ -43,7 +43,8 @@ class KVCacheManager:
 
         The last token is never served from the cache: its logits are needed
         to sample, so at least one token is always computed. Requests asking
-        for prompt logprobs get no hits (every prompt position must run).
+        for prompt logprobs get no hits (every prompt position must run); of
+        ``n`` siblings only the first asks, and the others hit the blocks it caches.
 
         Returns:
             The cached blocks (not yet referenced: pass them to

@@ -433,7 +433,7 @@ class Scheduler:
             if not params.ignore_eos and token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if token_id in params.stop_token_ids:
+            if token_id in params.stop_token_ids:  # a frozenset, shared by the n siblings
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True

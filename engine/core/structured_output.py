@@ -44,7 +44,7 @@ class StructuredOutputManager(Protocol):
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
         """Advance the grammar by sampled tokens. None when it takes them; else why it refused one (a
-        grammar that outgrew the grammar engine's limits, as one of 50,000 choices does), and it is
+        grammar that outgrew the grammar engine's limits, as an alternative of 2,000 branches does), and it is
         in error from then on."""
 
     def is_terminated(self, request_id: str) -> bool:

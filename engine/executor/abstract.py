@@ -9,6 +9,7 @@ calls by broadcasting them to one worker per rank and returning rank 0's result.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
@@ -61,6 +62,14 @@ class Executor(ABC):
     @abstractmethod
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         """Sample from the logits the last ``execute_model`` kept, within the step's grammar masks."""
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional
+        """Call ``callback`` (from another thread, once) when a worker dies while no call is running, so that
+        an idle engine finds out without waiting for its next request. Workers in this process cannot die on
+        their own: nothing to watch here."""
+
+    def check_health(self) -> None:  # noqa: B027 - optional
+        """Raise when a worker has died (for an executor with worker processes: ``WorkerDiedError``)."""
 
     @abstractmethod
     def shutdown(self) -> None:

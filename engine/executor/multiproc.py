@@ -17,7 +17,10 @@ The executor waits on every rank's pipe *and* process sentinel at once: a
 rank that raises (it sends its traceback, then exits) or dies ends the wait
 with ``WorkerDiedError``, and the remaining ranks are killed (they would
 otherwise block in their next collective), so the engine fails every request
-in flight instead of hanging. A rank's configuration error at start-up
+in flight instead of hanging. Between calls a monitor thread waits on the
+sentinels, and calls back the engine (``register_failure_callback``), which
+stops at once: an idle server does not wait for its next request to find a
+rank gone. A rank's configuration error at start-up
 (``ValueError``, ``OSError``) is raised as such, as a single process raises it.
 
 The ranks are forked from a fork server (``multiprocessing``'s
@@ -39,10 +42,12 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
@@ -106,8 +111,10 @@ class MultiprocExecutor(Executor):
         self._pipes: list[Connection] = []
         self._processes: list[BaseProcess] = []
         self._failed: BaseException | None = None
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self._stopping = threading.Event()  # set before the ranks are told to stop: their exit is no failure
         # Workers must not outlive an executor that is dropped without shutdown() (tests, errors).
-        self._finalizer = weakref.finalize(self, _stop, self._processes, self._pipes, rendezvous)
+        self._finalizer = weakref.finalize(self, _stop, self._processes, self._pipes, rendezvous, self._stopping)
         log_level = logging.getLogger().getEffectiveLevel()
         for rank in range(size):
             ours, theirs = context.Pipe()
@@ -119,6 +126,10 @@ class MultiprocExecutor(Executor):
             self._pipes.append(ours)
             self._processes.append(process)
         self._receive_all(starting=True)  # "ready" from each, or the error that stopped one
+        # Not a method of self: the thread must not keep the executor alive (its finalizer stops the ranks).
+        threading.Thread(target=_watch_ranks, args=([p.sentinel for p in self._processes], self._stopping,
+                                                    self._failure_callbacks),
+                         name="tp-rank-monitor", daemon=True).start()
         logger.info("%d tensor-parallel workers ready (pids %s)", size, self.worker_pids)
 
     @property
@@ -140,6 +151,19 @@ class MultiprocExecutor(Executor):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         return self._step("sample_tokens", grammar_output)
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` from the monitor thread, once, when a rank's process ends before ``shutdown``;
+        ``check_health`` (on the engine's thread, as every other call) then raises why."""
+        self._failure_callbacks.append(callback)
+
+    def check_health(self) -> None:
+        """Raises: WorkerDiedError: naming the ranks that died, which ends this executor (the others are
+        killed), as a call would."""
+        if self._failed is not None:
+            raise self._failed
+        if wait([process.sentinel for process in self._processes], timeout=0):
+            self._fail(self._fate_of_ranks())
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -247,8 +271,18 @@ def _exit_description(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def _stop(processes: list[BaseProcess], pipes: list[Connection], rendezvous: str) -> None:
+def _watch_ranks(sentinels: list[int], stopping: threading.Event, callbacks: list[Callable[[], None]]) -> None:
+    """The monitor thread: wait until a rank's process ends; then, unless the executor is stopping, call
+    ``callbacks``. Reads nothing from the processes (their exit codes are read on the engine's thread)."""
+    wait(sentinels)
+    if not stopping.is_set():
+        for callback in callbacks:
+            callback()
+
+
+def _stop(processes: list[BaseProcess], pipes: list[Connection], rendezvous: str, stopping: threading.Event) -> None:
     """Ask every rank to leave, kill those still running after ``SHUTDOWN_TIMEOUT_S``, close the pipes."""
+    stopping.set()
     payload = encode_call("shutdown")
     for pipe in pipes:
         with contextlib.suppress(OSError):

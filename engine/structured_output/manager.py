@@ -11,7 +11,7 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from engine.request import Request
-from engine.structured_output.compiler import GrammarCompiler
+from engine.structured_output.compiler import GrammarCompiler, client_message
 
 #: Threads filling the step's masks (each row is independent): one per row up to this many.
 NUM_MASK_THREADS = 2
@@ -79,7 +79,8 @@ class GuidanceManager:
         matcher = self._matchers[request_id]
         if matcher.consume_tokens(token_ids):
             return None
-        return f"the grammar failed while generating (llguidance: {matcher.get_error() or 'token refused'})"
+        error = client_message(matcher.get_error()) or "token refused"
+        return f"the grammar failed while generating (llguidance: {error})"
 
     def is_terminated(self, request_id: str) -> bool:
         """True when the grammar is complete and allows nothing but EOS."""

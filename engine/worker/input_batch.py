@@ -14,7 +14,7 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from engine.worker.block_table import BlockTable
-from engine.worker.sampling_metadata import SamplingMetadata
+from engine.worker.sampling_metadata import LogitBias, SamplingMetadata
 
 
 @dataclass
@@ -84,7 +84,13 @@ class InputBatch:
         return len(self.req_id_to_index)
 
     def add_request(self, state: CachedRequestState) -> int:
-        """Place a request in the lowest free row and fill its arrays. Returns the row."""
+        """Place a request in the lowest free row and fill its arrays. Returns the row.
+
+        Raises:
+            ValueError: a ``logit_bias`` token id outside the vocabulary (the ``InputProcessor`` refuses
+                them; a request made without it fails here, alone, not in the batch's sampler).
+        """
+        self._check_logit_bias(state.sampling_params)
         row = self._free_rows.pop(0)
         self.req_ids[row] = state.req_id
         self.req_id_to_index[state.req_id] = row
@@ -205,9 +211,16 @@ class InputBatch:
             repetition_penalties=column(self.repetition_penalties, True),
             prompt_token_ids=None if no_penalties else self._padded_prompt_token_ids(rows),
             output_token_ids=output_token_ids,
-            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else None,
+            logit_bias=LogitBias.from_rows([_logit_bias_arrays(p) for p in params], self.vocab_size, self.device),
             max_num_logprobs=max_num_logprobs,
         )
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """Raise ValueError when a ``logit_bias`` token id is outside ``[0, vocab_size)``."""
+        bias = _logit_bias_arrays(params)
+        largest = -1 if bias is None else int(bias[0].max())  # SamplingParams refuses negative ids
+        if largest >= self.vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {largest}")
 
     def draft_token_ids(self, rows: np.ndarray) -> list[list[int]]:
         """Per row, the draft tokens it runs this step (``set_draft_tokens``)."""
@@ -226,3 +239,12 @@ class InputBatch:
         ids = self.token_ids_cpu[rows, :max_len].copy()
         ids[np.arange(max_len)[None, :] >= self.num_prompt_tokens[rows][:, None]] = self.vocab_size
         return torch.from_numpy(ids).to(self.device, non_blocking=True)
+
+
+def _logit_bias_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
+    """The request's ``logit_bias`` as ``[k]`` int64 token ids and ``[k]`` float32 biases: views of the arrays
+    ``SamplingParams`` built once (no copy); None without a bias."""
+    if params.logit_bias_arrays is None:
+        return None
+    token_ids, values = params.logit_bias_arrays
+    return np.frombuffer(token_ids, dtype=np.int64), np.frombuffer(values, dtype=np.float32)

@@ -164,7 +164,7 @@ class RejectionSampler(torch.nn.Module):
             ValueError: when ``logits`` or ``metadata`` do not have sum(k_i + 1)
                 rows, on a draft id outside the vocabulary, on a generator key
                 that is not a request index, or on what ``Sampler`` rejects
-                (a bad ``logit_bias`` id, a malformed bitmask).
+                (a malformed bitmask).
         """
         generators = generators or {}
         drafts = _Drafts.build(draft_token_ids, logits.shape[-1], logits.device)

@@ -86,32 +86,20 @@ def apply_allowed_token_mask(logits: torch.Tensor, metadata: SamplingMetadata) -
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Add each row's ``logit_bias`` (token id -> value) to its logits.
+    """Add each row's ``logit_bias`` to its logits, in one ``index_add`` over the flattened logits.
 
     Args:
         logits: ``[B, V]`` float32, not modified.
-        metadata: ``logit_bias``, one dict or None per row (None: no row has one).
+        metadata: ``logit_bias`` (None: no row has one); its token ids were checked against V when
+            their rows entered the batch (``InputBatch.add_request``).
 
     Returns:
         ``[B, V]`` float32 biased logits; ``logits`` itself when no row has a bias.
-
-    Raises:
-        ValueError: when a token id is not in ``[0, V)``.
     """
-    if metadata.logit_bias is None:
+    bias = metadata.logit_bias
+    if bias is None:
         return logits
-    rows, token_ids, biases = [], [], []
-    for row, bias in enumerate(metadata.logit_bias):
-        if bias:
-            rows.extend(itertools.repeat(row, len(bias)))
-            token_ids.extend(bias.keys())
-            biases.extend(bias.values())
-    vocab_size = logits.shape[-1]
-    if any(not 0 <= token_id < vocab_size for token_id in token_ids):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {sorted(set(token_ids))}")
-    device = logits.device
-    index = (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(token_ids, dtype=torch.int64).to(device))
-    return logits.index_put(index, torch.tensor(biases, dtype=logits.dtype).to(device), accumulate=True)
+    return logits.flatten().index_add(0, bias.index, bias.values).view_as(logits)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -131,8 +131,8 @@ class Sampler(torch.nn.Module):
             logits) with the top ``max_num_logprobs`` when any row asked.
 
         Raises:
-            ValueError: when ``logits`` is not ``[B, V]`` for B = ``metadata.num_rows``;
-                on a bad ``logit_bias`` token id or a malformed allowed-token bitmask.
+            ValueError: when ``logits`` is not ``[B, V]`` for B = ``metadata.num_rows``,
+                or on a malformed allowed-token bitmask.
         """
         check_logits_shape(logits, metadata.num_rows)
         logits = logits.to(torch.float32)

@@ -21,8 +21,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output.compiler import json_schema_error
+from engine.structured_output.compiler import GrammarCompiler
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice, TokenizeRequest
 
@@ -75,20 +76,22 @@ class ToolPlan:
         return self.mode != "none"
 
 
-def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: StructuredOutputsParams | None,
-               structured_param: str | None) -> ToolPlan | None:
+async def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: StructuredOutputsParams | None,
+                     structured_param: str | None, grammars: GrammarCompiler) -> ToolPlan | None:
     """The request's ``ToolPlan``; None without ``tools``.
 
     Args:
         request: the chat request (or a ``/tokenize`` of its messages).
         structured: its structured-output constraint (``request.structured_output()``), if any.
         structured_param: the field that set it, for errors.
+        grammars: checks the tools' parameters (and the answer schema) as the tool grammar will hold them.
 
     Raises:
         OpenAIError: 400 naming the field: ``tool_choice`` without ``tools``, an empty ``tools``, a bad
             or repeated function name, parameters that are not a JSON schema of an object (or one the
-            grammar engine cannot enforce), a named tool that is not in ``tools``, or a structured-output
-            constraint that cannot go with ``tool_choice``.
+            grammar engine cannot enforce, nested too deep, asking for its own JSON whitespace), schemas over
+            the grammar limits together (``tools``), a named tool that is not in ``tools``, or a
+            structured-output constraint that cannot go with ``tool_choice``.
     """
     if request.tools is None:
         if request.tool_choice is not None:
@@ -117,10 +120,25 @@ def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: Str
                               "json_object response_format can hold the text answer of tool_choice 'auto'",
                               structured_param)
         answer_schema = {"type": "object"} if structured.json_object else structured.json
-        error = json_schema_error(answer_schema)
-        if error:  # checked here: inside the tool grammar, its error would be blamed on the tools
-            raise bad_request(f"invalid JSON schema for structured output: {error}", structured_param)
-    return ToolPlan(mode, tools, callable_, request.parallel_tool_calls and mode != "named", answer_schema)
+    plan = ToolPlan(mode, tools, callable_, request.parallel_tool_calls and mode != "named", answer_schema)
+    await _check_schemas(plan, structured_param, grammars)
+    return plan
+
+
+async def _check_schemas(plan: ToolPlan, structured_param: str | None, grammars: GrammarCompiler) -> None:
+    """Refuse a schema the tool grammar cannot hold, naming its own field: inside the tool grammar, its error
+    would be blamed on all the tools."""
+    checked = [(tool.parameters, f"tools.{index}.function.parameters", f"Invalid schema for function '{tool.name}'")
+               for index, tool in enumerate(plan.tools)]
+    if plan.answer_schema is not None:
+        checked.append((plan.answer_schema, str(structured_param), "invalid JSON schema for structured output"))
+    try:
+        errors = await grammars.json_schema_errors_async([schema for schema, _, _ in checked])
+    except InvalidRequestError as exc:  # over a limit together
+        raise bad_request(exc.message, "tools") from exc
+    for (_, param, what), error in zip(checked, errors, strict=True):
+        if error:
+            raise bad_request(f"{what}: {error}", param)
 
 
 def _tool(tool: ChatCompletionTool, index: int) -> Tool:
@@ -133,7 +151,4 @@ def _tool(tool: ChatCompletionTool, index: int) -> Tool:
     if parameters.get("type", "object") != "object":
         raise bad_request(f"Invalid schema for function '{function.name}': the parameters must be a JSON "
                           f"schema of type 'object', got type {json.dumps(parameters['type'])}", param)
-    error = json_schema_error(parameters)
-    if error:
-        raise bad_request(f"Invalid schema for function '{function.name}': {error}", param)
     return Tool(function.name, parameters, tool.model_dump(exclude_none=True))
