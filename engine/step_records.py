@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -124,13 +125,28 @@ class StepRecordBuffer:
     def __init__(self, size: int) -> None:
         self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=size)
         self._followers: set[asyncio.Queue[dict[str, Any]]] = set()
+        # step -> [buffered record, its JSON text once a follower asked for it]
+        self._json: dict[int, list[Any]] = {}
 
     def append(self, record: dict[str, Any]) -> None:
+        if len(self.records) == self.records.maxlen:
+            self._json.pop(self.records[0]["step"], None)
         self.records.append(record)
+        self._json[record["step"]] = [record, None]
         for queue in self._followers:
             if queue.full():
                 queue.get_nowait()  # a client that does not keep up loses its oldest records
             queue.put_nowait(record)
+
+    def to_json(self, record: dict[str, Any]) -> str:
+        """``record`` as JSON text, made once per buffered record however many followers send it (a hundred
+        followers of a full buffer would otherwise serialize it a hundred times on the event loop)."""
+        cached = self._json.get(record["step"])
+        if cached is None or cached[0] is not record:  # not buffered (any more), or a follower's merged record
+            return json.dumps(record)
+        if cached[1] is None:
+            cached[1] = json.dumps(record)
+        return cached[1]
 
     def recent(self, limit: int, since: int | None = None) -> list[dict[str, Any]]:
         """Records, oldest first: the first ``limit`` after step ``since``, or without ``since`` the last

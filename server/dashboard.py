@@ -12,7 +12,6 @@ OpenAPI spec (the stream never ends, which spec-driven clients and fuzzers canno
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -86,7 +85,7 @@ async def follow_steps(records: StepRecords, request: Request,
                 # A send that fits the socket's buffer does not wait: without this, the whole backlog would be
                 # written in one go, and many followers at once would hold the event loop for seconds.
                 await asyncio.sleep(0)
-                yield json.dumps(record)
+                yield records.to_json(record)
             pending: dict[str, Any] | None = None  # not sent yet, carrying what skipped records held
             next_send = 0.0
             while True:
@@ -100,7 +99,7 @@ async def follow_steps(records: StepRecords, request: Request,
                 if record is not None and record["step"] > last_step:
                     pending = record if pending is None else _carry(pending, record)
                 if pending is not None and (every_step or time.monotonic() >= next_send):
-                    yield json.dumps(pending)
+                    yield records.to_json(pending)
                     last_step, pending = pending["step"], None
                     next_send = time.monotonic() + 1.0 / max_rate
 
