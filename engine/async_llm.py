@@ -68,7 +68,8 @@ class _OutputStream:
 
     Args:
         max_backlog_tokens: most output tokens (all choices together) held for a consumer that has not taken
-            them; an output the consumer would take at once is always accepted (a final output may be large).
+            them; an output the consumer would take at once is always accepted (a final output may be large),
+            and so is the last one (``finished``): the request holds nothing more in the engine.
     """
 
     def __init__(self, max_backlog_tokens: int) -> None:
@@ -79,7 +80,8 @@ class _OutputStream:
     def put(self, output: RequestOutput) -> bool:
         """Queue ``output``; False, queueing nothing, when that would hold more than ``max_backlog_tokens``."""
         num_tokens = _num_tokens(output)
-        if not self._queue.empty() and self.backlog_tokens + num_tokens > self.max_backlog_tokens:
+        if (not output.finished and not self._queue.empty()
+                and self.backlog_tokens + num_tokens > self.max_backlog_tokens):
             return False
         self.backlog_tokens += num_tokens
         self._queue.put_nowait(output)

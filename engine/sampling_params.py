@@ -100,8 +100,8 @@ class SamplingParams:
         stop: strings that end the output when generated (not included unless
             ``include_stop_str_in_output``); at most ``MAX_STOP_STRINGS`` of at most
             ``MAX_STOP_STRING_CHARS`` characters each.
-        stop_token_ids: token ids that end the output (the token is kept); any iterable of at most
-            ``MAX_STOP_TOKEN_IDS`` ids, held as a frozenset.
+        stop_token_ids: token ids that end the output (the token is kept); a list, tuple or set of at
+            most ``MAX_STOP_TOKEN_IDS`` ids, held as a frozenset.
         max_tokens: most output tokens; None = up to the model's context length.
         min_tokens: EOS and stop tokens are ignored before this many output tokens.
         ignore_eos: keep generating past EOS.

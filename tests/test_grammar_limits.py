@@ -8,6 +8,7 @@ Every test talks HTTP to the real server and reads the grammar compiler's counte
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
 import threading
@@ -25,6 +26,7 @@ from engine.structured_output.compiler import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_PROPERTIES,
+    NUM_COMPILE_THREADS,
     SMALL_GRAMMAR_CHARS,
     GrammarCompiler,
 )
@@ -329,3 +331,17 @@ def test_the_grammar_cache_is_bounded_by_its_estimated_bytes(client: httpx.Clien
     newest = grammars.compile(StructuredOutputsParams(choice=choices))
     assert newest.done() and newest.result() is not None  # still cached: no new compile
     assert grammars.cached_bytes > budget - 4 * 1024**2  # full up to about one grammar
+
+
+def test_a_compiler_dropped_without_shutdown_stops_its_threads(served: Served) -> None:
+    """Each offline ``LLM`` has a compiler; one dropped without ``shutdown`` left two idle threads (with their
+    stack reservations) for the life of the process."""
+    before = {thread for thread in threading.enumerate() if thread.name.startswith("grammar-")}
+    compiler = GrammarCompiler(served.engine.tokenizer, 49_152)
+    started = {thread for thread in threading.enumerate() if thread.name.startswith("grammar-")} - before
+    assert len(started) == NUM_COMPILE_THREADS
+    del compiler
+    gc.collect()
+    for thread in started:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in started)

@@ -250,3 +250,20 @@ def test_the_bearer_scheme_is_case_insensitive(serve_app) -> None:
         answered = {authorization: client.get("/v1/models", headers={"Authorization": authorization}).status_code
                     for authorization in expected}
     assert answered == expected
+
+
+def test_the_last_output_is_queued_past_the_backlog_bound() -> None:
+    """A request that has finished holds nothing more in the engine: its last output was refused past the
+    bound, and a completed request ended as client_too_slow."""
+    from engine.async_llm import _OutputStream
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    def output(num_tokens: int, finished: bool) -> RequestOutput:
+        completion = CompletionOutput(index=0, text="x" * num_tokens, token_ids=[1] * num_tokens)
+        return RequestOutput("r", None, [1], [completion], finished)
+
+    stream = _OutputStream(max_backlog_tokens=4)
+    assert stream.put(output(3, finished=False))
+    assert not stream.put(output(3, finished=False))  # past the bound while the request still runs
+    assert stream.put(output(3, finished=True))
+    assert stream.backlog_tokens == 6

@@ -154,8 +154,11 @@ class MultiprocExecutor(Executor):
 
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` from the monitor thread, once, when a rank's process ends before ``shutdown``;
-        ``check_health`` (on the engine's thread, as every other call) then raises why."""
+        ``check_health`` (on the engine's thread, as every other call) then raises why. A rank already gone
+        (it died before the engine registered) is reported at once, from this thread."""
         self._failure_callbacks.append(callback)
+        if not self._stopping.is_set() and wait([process.sentinel for process in self._processes], timeout=0):
+            callback()
 
     def check_health(self) -> None:
         """Raises: WorkerDiedError: naming the ranks that died, which ends this executor (the others are

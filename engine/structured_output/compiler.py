@@ -294,6 +294,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._threads = _CompileThreads()
+        # The threads hold their _CompileThreads, never this compiler: an offline LLM dropped without a
+        # shutdown stops them when it is collected, instead of leaving two idle threads per engine.
+        weakref.finalize(self, self._threads.shutdown)
         self._lock = threading.Lock()  # guards the cache, its entries and the counts
         self._tokenizer_lock = threading.Lock()  # held while the llguidance tokenizer is built (0.6 s)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
