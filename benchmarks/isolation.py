@@ -115,11 +115,33 @@ async def stop_token_ids(client: httpx.AsyncClient, result: Result) -> None:
                                            "stop_token_ids": ids}, result)
 
 
+def long_prompt() -> str:
+    """About 7.4k tokens of distinct words (about 5 tokens a word)."""
+    return " ".join(words(random.Random(2), 1_500, length=8))
+
+
 async def prompt_logprobs(client: httpx.AsyncClient, result: Result) -> None:
     """A 7.4k-token prompt with ``prompt_logprobs: 20``, ``n: 8``, ``max_tokens: 1``."""
-    prompt = " ".join(words(random.Random(2), 1_500, length=8))  # about 5 tokens a word
-    await post(client, "/v1/completions", {"prompt": prompt, "n": 8, "max_tokens": 1, "prompt_logprobs": 20},
+    await post(client, "/v1/completions", {"prompt": long_prompt(), "n": 8, "max_tokens": 1, "prompt_logprobs": 20},
                result)
+
+
+# Controls: an attack's request without its hostile field, the load any such request puts on the engine. The
+# probe shares every step with it, so its ratio is what the field itself adds on top.
+
+async def control_n128(client: httpx.AsyncClient, result: Result) -> None:
+    """``stop_strings`` without its stop strings: ``n: 128``, ``max_tokens: 6``."""
+    await post(client, "/v1/completions", {"prompt": "Once upon a time", "n": 128, "max_tokens": 6}, result)
+
+
+async def control_n64(client: httpx.AsyncClient, result: Result) -> None:
+    """``logit_bias`` without its bias: ``n: 64``, ``max_tokens: 16``."""
+    await post(client, "/v1/completions", {"prompt": "Once upon a time", "n": 64, "max_tokens": 16}, result)
+
+
+async def control_long_prompt(client: httpx.AsyncClient, result: Result) -> None:
+    """``prompt_logprobs`` without prompt logprobs: the 7.4k-token prompt, ``n: 8``, ``max_tokens: 1``."""
+    await post(client, "/v1/completions", {"prompt": long_prompt(), "n": 8, "max_tokens": 1}, result)
 
 
 async def logit_bias(client: httpx.AsyncClient, result: Result) -> None:
@@ -220,6 +242,9 @@ ATTACKS: dict[str, tuple[Attack, list[str]]] = {  # name -> (attack, extra serve
     "model_name": (model_name, []),
     "unread_stream": (unread_stream, ["--max-model-len", "4096"]),
     "huge_prompt": (huge_prompt, []),
+    "control_n128": (control_n128, []),
+    "control_n64": (control_n64, []),
+    "control_long_prompt": (control_long_prompt, ["--max-model-len", "8192"]),
 }
 
 
