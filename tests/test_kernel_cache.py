@@ -47,7 +47,8 @@ def test_unwritable_cache_builds_in_a_temporary_folder(unwritable_cache: Path,
         lib = load_kernel()
     assert lib is not None
     assert not Path(lib._name).is_relative_to(unwritable_cache)
-    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    # Its own records: a test server still running logs its stats to the same root handler.
+    assert [r.levelno for r in caplog.records if r.name == c_kernels.__name__] == [logging.INFO]
     assert "not writable" in caplog.text
     assert paged_decode_attention(*decode_inputs(), 0.125) is not None
 
@@ -59,7 +60,8 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(unwritable_cache: Path
     with caplog.at_level(logging.WARNING, logger=c_kernels.__name__):
         assert load_kernel() is None
         assert paged_decode_attention(*decode_inputs(), 0.125) is None
-    assert len(caplog.records) == 1 and "no C compiler" in caplog.text
+    ours = [r for r in caplog.records if r.name == c_kernels.__name__]
+    assert len(ours) == 1 and "no C compiler" in ours[0].getMessage()
 
 
 def test_missing_source_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

@@ -8,6 +8,7 @@ tree, the prompt text the router reads and the settings run without the cluster.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[str]:
     """The URL of 2 engine replicas (prefix router) on a local Ray cluster, for the module."""
+    # Ray Serve kills a proxy not ready within 5 s, or whose health check takes 10 s: on a 2-core machine kept
+    # busy, serve.start failed so (the controller and proxies read these when Ray starts them).
+    for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(name, "120")
     # 4 logical CPUs: one per replica and one for a replacement while the other two are still counted.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
