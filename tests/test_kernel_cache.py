@@ -95,3 +95,13 @@ def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=Path(__file__).parent.parent, env=os.environ | {"PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert result.stdout.strip() == "True"
+
+
+def test_a_change_in_an_included_file_builds_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused decode includes the per-op kernels' files: editing one of them must not load a stale build."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "value.c").write_text("static int value(void) { return 1; }\n")
+    (tmp_path / "main.c").write_text('#include "value.c"\nint answer(void) { return value(); }\n')
+    assert c_kernels.load_c_library(tmp_path / "main.c", "a test").answer() == 1
+    (tmp_path / "value.c").write_text("static int value(void) { return 2; }\n")
+    assert c_kernels.load_c_library(tmp_path / "main.c", "a test").answer() == 2

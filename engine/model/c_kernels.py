@@ -2,7 +2,7 @@
 
 A kernel compiles in about a second with the system compiler the first time it
 is needed and is cached under ``$PAGEDSERVE_CACHE_DIR/kernels``, keyed by its
-source, the flags and the CPU's feature flags (``-march=native`` makes the code
+source (with the files it includes), the flags and the CPU's feature flags (``-march=native`` makes the code
 CPU-specific). Its OpenMP runtime is torch's own: the dynamic loader resolves
 ``libgomp.so.1`` to the copy torch already loaded, so both share one thread
 pool. A kernel problem never stops the engine: no compiler, a failed build or
@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,6 +33,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 # for the whole process when the library loads, so every torch op and Python float after it would lose
 # subnormals. -lm last: it brings libmvec, which holds the vectorized expf.
 LINK_FLAGS = ("-fopenmp", "-shared", "-lm")
+_LOCAL_INCLUDE = re.compile(rb'^#include "([^"]+)"', re.MULTILINE)
 
 
 def _cpu_signature() -> str:
@@ -58,7 +60,7 @@ def load_c_library(source: Path, purpose: str, extra_flags: tuple[str, ...] = ()
     """
     fallback = f"{purpose} falls back to torch (slower)"
     try:
-        text = source.read_bytes()
+        text = _source_text(source)
     except OSError as err:
         logger.warning("the %s kernel's source is missing (%s): %s", purpose, err, fallback)
         return None
@@ -80,6 +82,25 @@ def load_c_library(source: Path, purpose: str, extra_flags: tuple[str, ...] = ()
     except OSError as err:
         logger.warning("loading %s failed (%s): %s", library, err, fallback)
         return None
+
+
+def _source_text(source: Path) -> bytes:
+    """``source`` with the text of every local file it includes (``#include "x.c"``, recursively) appended, so
+    that the cache key changes when any of them does.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    text, seen, pending = b"", set(), [source]
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        body = path.read_bytes()
+        text += body
+        pending += [path.parent / name.decode() for name in _LOCAL_INCLUDE.findall(body)]
+    return text
 
 
 def _writable_folder(folder: Path, purpose: str) -> Path:

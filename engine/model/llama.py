@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from engine.model.fused_decode import FusedDecoder
 from engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.model.linear import QKVParallelLinear, RowParallelLinear
 from engine.model.linear_methods import LinearMethodBase
@@ -40,6 +41,7 @@ from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
 logger = logging.getLogger(__name__)
+_NOT_BUILT = object()  # LlamaForCausalLM._fused_decoder before the first decode step
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,7 @@ class LlamaForCausalLM(CausalLM):
         # A tied head shares the embedding's parameter, so it is loaded once, under the embedding's name.
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, linear_method=linear_method, tp=tp,
                                       tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        self._fused_decoder: FusedDecoder | None | object = _NOT_BUILT
 
     @staticmethod
     def arch_flags(config: PretrainedConfig) -> ArchFlags:
@@ -205,6 +208,15 @@ class LlamaForCausalLM(CausalLM):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """See ``CausalLM.forward``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                       attn_metadata: AttentionMetadata) -> torch.Tensor | None:
+        """See ``CausalLM.decode_forward``: every layer in one native call on the CPU (``fused_decode``)."""
+        if self._fused_decoder is _NOT_BUILT:  # weights are loaded and processed by the first step
+            self._fused_decoder = FusedDecoder.build(self)
+        if self._fused_decoder is None:
+            return None
+        return self._fused_decoder(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """See ``CausalLM.compute_logits``."""

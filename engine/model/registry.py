@@ -67,6 +67,15 @@ class CausalLM(nn.Module, ABC):
             ``[T, hidden_size]`` final hidden states (after the last norm).
         """
 
+    def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                       attn_metadata: AttentionMetadata) -> torch.Tensor | None:
+        """``forward`` for a decode-only step (one token per request) by a faster path, or None (nothing done)
+        where the model has none for this step; the runner then calls ``forward``.
+
+        ``attn_metadata`` is the runner's common ``AttentionMetadata``, not the backend's.
+        """
+        return None
+
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` hidden states -> ``[N, vocab_size]`` float32 logits."""

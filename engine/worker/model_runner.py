@@ -439,13 +439,18 @@ class ModelRunner:
         return bitmask, torch.tensor([row for _, row in keep], dtype=torch.int64, device=self.device)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """``[T, hidden_size]``: a replayed CUDA graph for decode-only steps, else eager."""
+        """``[T, hidden_size]``: for decode-only steps a replayed CUDA graph, or the model's fused CPU path
+        (``CausalLM.decode_forward``); else eager, layer by layer."""
         common = inputs.attn_metadata
         if self.cuda_graphs is not None and common.max_query_len == 1:
             hidden_states = self.cuda_graphs.run(inputs.input_ids, inputs.positions, common.slot_mapping,
                                                  common.seq_lens, common.block_table)
             if hidden_states is not None:
                 return hidden_states
+        if (self.device.type == "cpu" and common.max_query_len == 1
+                and (hidden_states := self.model.decode_forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                                                common)) is not None):
+            return hidden_states
         metadata = self.model.attn_backend.build_metadata(common)
         # See engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
         serial = self.device.type == "cpu" and len(inputs.input_ids) <= SERIAL_ELEMENTWISE_MAX_TOKENS

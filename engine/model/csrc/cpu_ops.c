@@ -40,6 +40,11 @@ static inline uint16_t f32_to_bf16(float f) {
         else ((float *)(p))[i] = (x);                               \
     } while (0)
 
+/* Not inlined into their callers: the fused decode (fused_decode.c) includes this file and calls these, and
+ * with the same compiled code in both places (no caller-specific vectorisation of their sums and expf) the
+ * fused and unfused paths agree bit for bit. */
+#define NOINLINE __attribute__((noinline))
+
 /* A row's element type size in bytes. */
 #define ESIZE(bf16) ((bf16) ? 2 : 4)
 
@@ -50,7 +55,7 @@ static inline uint16_t f32_to_bf16(float f) {
  * As transformers' LlamaRMSNorm: the sum is rounded to the dtype, the statistics are fp32, the normalised
  * value is rounded to the dtype before the weight multiplies it.
  */
-static void rms_norm(void *x, int64_t x_stride, void *residual, int64_t residual_stride, const void *weight,
+NOINLINE static void rms_norm(void *x, int64_t x_stride, void *residual, int64_t residual_stride, const void *weight,
                      void *out, int64_t out_stride, int64_t rows, int64_t width, float eps, int bf16) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
@@ -97,7 +102,7 @@ void rms_norm_bf16(void *x, int64_t xs, void *res, int64_t rs, const void *w, vo
  * x: [rows, heads, head_dim], heads contiguous within a row, rows x_stride elements apart.
  * cos, sin: [rows, head_dim / 2], rows cs_stride elements apart.
  */
-static void rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
+NOINLINE static void rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
                    int64_t heads, int64_t head_dim, int bf16) {
     const int64_t half = head_dim / 2;
 #pragma omp parallel for if (rows >= PARALLEL_ROWS)
@@ -127,6 +132,14 @@ void rotary_bf16(void *x, int64_t xs, const void *cos, const void *sin, int64_t 
     rotary(x, xs, cos, sin, cs, rows, heads, head_dim, 1);
 }
 
+/* out[i] = silu(gate[i]) * up[i] for i < n: the activation of a SwiGLU MLP. */
+NOINLINE static void silu_mul_span(const void *gate, const void *up, void *out, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i++) {
+        const float g = LOAD(gate, i, bf16);
+        STORE(out, i, g / (1.0f + expf(-g)) * LOAD(up, i, bf16), bf16);
+    }
+}
+
 /*
  * out = silu(gate) * up, where each row of gate_up is [gate (width) | up (width)].
  * gate_up: [rows, 2 * width] contiguous; out: [rows, width] contiguous.
@@ -135,12 +148,7 @@ static void silu_and_mul(const void *gate_up, void *out, int64_t rows, int64_t w
 #pragma omp parallel for if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
         const char *gr = (const char *)gate_up + r * 2 * width * ESIZE(bf16);
-        const char *ur = gr + width * ESIZE(bf16);
-        char *outr = (char *)out + r * width * ESIZE(bf16);
-        for (int64_t i = 0; i < width; i++) {
-            const float g = LOAD(gr, i, bf16);
-            STORE(outr, i, g / (1.0f + expf(-g)) * LOAD(ur, i, bf16), bf16);
-        }
+        silu_mul_span(gr, gr + width * ESIZE(bf16), (char *)out + r * width * ESIZE(bf16), width, bf16);
     }
 }
 

@@ -126,30 +126,45 @@ typedef struct {
     int32_t *c;
 } acts_t;
 
-static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) {
+/* Room for M rows of K quantized activations in `a`: returns the one buffer to free, or NULL. */
+static void *acts_alloc(acts_t *a, int64_t M, int64_t K) {
     const int64_t nb = K / QK;
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t b = 0; b < nb; b++) {
-            float v[QK], amax = 0.0f;
-            const int64_t at = m * K + b * QK;
-            if (x_bf16) {
-                for (int i = 0; i < QK; i++) v[i] = bf16_to_float(((const uint16_t *)x)[at + i]);
-            } else {
-                memcpy(v, (const float *)x + at, sizeof v);
-            }
-            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *q = a->q + m * K + b * QK;
-            int32_t qsum = 0;
-            for (int i = 0; i < QK; i++) {
-                q[i] = (int8_t)nearbyintf(v[i] * id);
-                qsum += q[i];
-            }
-            a->d[m * nb + b] = d;
-            a->s[m * nb + b] = d * (float)qsum;
-            a->c[m * nb + b] = -128 * qsum;
+    void *buffer = malloc((size_t)(M * K + M * nb * 12));
+    if (!buffer) return NULL;
+    a->d = (float *)buffer;
+    a->s = a->d + M * nb;
+    a->c = (int32_t *)(a->s + M * nb);
+    a->q = (int8_t *)(a->c + M * nb);
+    return buffer;
+}
+
+/* Blocks [b0, b1) of x row m (x points at the row's first element) into a (row m of its [M, K] arrays). */
+static void quantize_blocks(const void *x, int x_bf16, int64_t m, int64_t K, int64_t b0, int64_t b1, acts_t *a) {
+    const int64_t nb = K / QK;
+    for (int64_t b = b0; b < b1; b++) {
+        float v[QK], amax = 0.0f;
+        if (x_bf16) {
+            for (int i = 0; i < QK; i++) v[i] = bf16_to_float(((const uint16_t *)x)[b * QK + i]);
+        } else {
+            memcpy(v, (const float *)x + b * QK, sizeof v);
         }
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = a->q + m * K + b * QK;
+        int32_t qsum = 0;
+        for (int i = 0; i < QK; i++) {
+            q[i] = (int8_t)nearbyintf(v[i] * id);
+            qsum += q[i];
+        }
+        a->d[m * nb + b] = d;
+        a->s[m * nb + b] = d * (float)qsum;
+        a->c[m * nb + b] = -128 * qsum;
     }
+}
+
+static void quantize_acts(const void *x, int x_bf16, int64_t M, int64_t K, acts_t *a) {
+    const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
+    for (int64_t m = 0; m < M; m++) quantize_blocks((const char *)x + m * row_bytes, x_bf16, m, K, 0, K / QK, a);
 }
 
 typedef struct {
@@ -304,8 +319,8 @@ INLINE void tile_dot(int isa, int kind, const weight_t *w, int64_t t, const acts
     tile_scalar(kind, w, t, a, m0, mt, out);
 }
 
-/* The switch sits inside the OpenMP loop: the loop body is outlined before inlining, so constants passed
- * into it would not reach the tile kernels. The best instruction set the build has gets a copy per tile
+/* The switch sits in gemm_tile, inlined into each OpenMP loop: a loop body is outlined before inlining, so
+ * constants passed into it would not reach the tile kernels. The best instruction set the build has gets a copy per tile
  * height (TILE_CASES: the tile stays in registers); the others, kept for other CPUs and tests, one copy
  * for any height (TILE_ANY): 8 copies of each would triple the compile time (to 5 s). */
 #define TILE_CASE(I_, K_, MT_) \
@@ -324,35 +339,40 @@ INLINE void tile_dot(int isa, int kind, const weight_t *w, int64_t t, const acts
 #define SIMD_CASES
 #endif
 
+/* Tile t (output features 16 t .. 16 t + 15) of y [M, N] = x W^T + bias, for every row of x. */
+static inline __attribute__((always_inline)) void gemm_tile(int isa, int kind, const weight_t *w, const acts_t *a,
+                                                            int64_t M, int64_t N, int64_t t, const void *bias,
+                                                            int bias_bf16, void *y, int y_bf16) {
+    const int64_t n0 = t * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
+    float b[ROWS] = {0};
+    for (int64_t j = 0; bias && j < rows; j++)
+        b[j] = bias_bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + j]) : ((const float *)bias)[n0 + j];
+    for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+        const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
+        float out[TILE][ROWS];
+        switch (isa * 64 + kind * 16 + mt) {
+            SIMD_CASES
+            TILE_ANY(ISA_SCALAR, KIND_Q4)
+            TILE_ANY(ISA_SCALAR, KIND_Q8)
+            default: __builtin_unreachable();
+        }
+        for (int m = 0; m < mt; m++) {
+            if (y_bf16) {
+                uint16_t *row = (uint16_t *)y + (m0 + m) * N + n0;
+                for (int64_t j = 0; j < rows; j++) row[j] = float_to_bf16(out[m][j] + b[j]);
+            } else {
+                float *row = (float *)y + (m0 + m) * N + n0;
+                for (int64_t j = 0; j < rows; j++) row[j] = out[m][j] + b[j];
+            }
+        }
+    }
+}
+
 static void gemm_tiles(int isa, int kind, const weight_t *w, const acts_t *a, int64_t M, int64_t N, const void *bias,
                        int bias_bf16, void *y, int y_bf16) {
     const int64_t tiles = (N + ROWS - 1) / ROWS;
 #pragma omp parallel for schedule(static) if (tiles > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n0 = t * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
-        float b[ROWS] = {0};
-        for (int64_t j = 0; bias && j < rows; j++)
-            b[j] = bias_bf16 ? bf16_to_float(((const uint16_t *)bias)[n0 + j]) : ((const float *)bias)[n0 + j];
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-            const int mt = M - m0 < TILE ? (int)(M - m0) : TILE;
-            float out[TILE][ROWS];
-            switch (isa * 64 + kind * 16 + mt) {
-                SIMD_CASES
-                TILE_ANY(ISA_SCALAR, KIND_Q4)
-                TILE_ANY(ISA_SCALAR, KIND_Q8)
-                default: __builtin_unreachable();
-            }
-            for (int m = 0; m < mt; m++) {
-                if (y_bf16) {
-                    uint16_t *row = (uint16_t *)y + (m0 + m) * N + n0;
-                    for (int64_t j = 0; j < rows; j++) row[j] = float_to_bf16(out[m][j] + b[j]);
-                } else {
-                    float *row = (float *)y + (m0 + m) * N + n0;
-                    for (int64_t j = 0; j < rows; j++) row[j] = out[m][j] + b[j];
-                }
-            }
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++) gemm_tile(isa, kind, w, a, M, N, t, bias, bias_bf16, y, y_bf16);
 }
 
 /* A packed weight, as quant_kernels.QuantizedWeight holds it (the Python side builds one per weight, once). */
@@ -361,6 +381,13 @@ typedef struct {
     const uint8_t *data;
     const uint16_t *scales, *mins; /* mins: q4 only */
 } qweight_t;
+
+/* The tiles view of a packed weight. */
+static weight_t tiles_of(const qweight_t *w) {
+    const weight_t tiles = {w->data, w->scales, w->mins, w->in_features, w->in_features / QK,
+                            w->kind == KIND_Q4 ? 256 : 512};
+    return tiles;
+}
 
 /* Bits of quant_linear's flags. */
 enum { X_BF16 = 1, BIAS_BF16 = 2 };
@@ -375,16 +402,11 @@ int quant_linear_bias(const qweight_t *w, const void *x, void *y, int64_t M, int
     if ((kind != KIND_Q4 && kind != KIND_Q8) || M < 0 || N < 0 || K <= 0 || K % QK) return -1;
     const int isa = current_isa();
     if (M == 0 || N == 0) return isa;
-    const int64_t nb = K / QK;
     acts_t a;
-    void *buffer = malloc((size_t)(M * K + M * nb * 12));
+    void *buffer = acts_alloc(&a, M, K);
     if (!buffer) return -1;
-    a.d = (float *)buffer;
-    a.s = a.d + M * nb;
-    a.c = (int32_t *)(a.s + M * nb);
-    a.q = (int8_t *)(a.c + M * nb);
     quantize_acts(x, flags & X_BF16, M, K, &a);
-    const weight_t tiles = {w->data, w->scales, w->mins, K, nb, kind == KIND_Q4 ? 256 : 512};
+    const weight_t tiles = tiles_of(w);
     gemm_tiles(isa, (int)kind, &tiles, &a, M, N, bias, (flags & BIAS_BF16) != 0, y, (flags & X_BF16) != 0);
     free(buffer);
     return isa;

@@ -1,0 +1,180 @@
+"""A decode step's decoder layers in one native call on the CPU (``csrc/fused_decode.c``).
+
+One token per request makes the torch path's cost its dispatch: per layer about
+forty Python-level calls, and an OpenMP fork and join around every kernel. The
+fused call runs all layers in one OpenMP region whose threads meet at barriers
+between phases (see the C file), with the same kernels' code and the same
+roundings as the unfused path, so the result is the same (bit for bit up to a
+vectorised ``expf``'s last bit; ``tests/test_fused_decode.py``).
+
+It serves decode-only CPU steps of up to ``MAX_ROWS`` tokens of a Llama-family
+model (Llama, Mistral, Qwen2; not Qwen3's per-head norms) whose four projections
+of every layer are quantized (``QuantizedWeight``: ``--quantization gguf``,
+``int8``, ``int4``), in float32 or bfloat16, on one rank, with the CPU attention
+backend. Anything else, or ``PAGEDSERVE_FUSED_DECODE=0``, or no compiler: the
+model's ``decode_forward`` returns None and the step runs the layers one by one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.model.c_kernels import load_c_library
+from engine.model.cpu_attention import CpuAttentionBackend
+
+if TYPE_CHECKING:
+    from engine.model.attention import AttentionMetadata
+    from engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "fused_decode.c"
+#: Set to 0 to run the decoder layers one by one (for comparisons and benchmarks).
+ENV_FLAG = "PAGEDSERVE_FUSED_DECODE"
+#: Tokens per step up to which the fused call runs: the quantized kernel's row limit (quant_kernels).
+MAX_ROWS = 64
+
+
+class _Layer(ctypes.Structure):
+    """``fused_layer_t``."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "input_norm",
+        "post_norm", "key_cache", "value_cache")]
+
+
+class _Model(ctypes.Structure):
+    """``fused_model_t``."""
+
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+        "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
+        "bf16")), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("max_positions", ctypes.c_int64)]
+
+
+@cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled ``csrc/fused_decode.c`` (``c_kernels.load_c_library``); None when it cannot be had."""
+    lib = load_c_library(_SOURCE, "fused CPU decode")
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.fused_decode_forward.restype = ctypes.c_int
+    lib.fused_decode_forward.argtypes = [p, p, i64, p, p, p, i64, p]
+    return lib
+
+
+def _pointer(t: torch.Tensor | None, dtype: torch.dtype) -> int | None:
+    """``t``'s address, None for no tensor; raises ValueError unless it is a contiguous CPU tensor of ``dtype``."""
+    if t is None:
+        return None
+    if t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(f"a {t.dtype} tensor where the fused decode reads contiguous {dtype}")
+    return t.data_ptr()
+
+
+class FusedDecoder:
+    """The fused call bound to one model's weights; ``build`` says whether the model qualifies.
+
+    The model must outlive it (the C structures point into its parameters).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, lib: ctypes.CDLL) -> None:
+        decoder = model.model
+        self.dtype = decoder.norm.weight.dtype
+        self.embed = decoder.embed_tokens
+        self._linear_method = decoder.layers[0].self_attn.qkv_proj.linear_method  # one instance serves every layer
+        self._forward = lib.fused_decode_forward
+        first = decoder.layers[0]
+        attention = first.self_attn
+        layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            layers.append(_Layer(*(m.qweight.kernel_handle for m in modules),
+                                 *(_pointer(m.bias, self.dtype) for m in modules),
+                                 _pointer(layer.input_layernorm.weight, self.dtype),
+                                 _pointer(layer.post_attention_layernorm.weight, self.dtype), None, None))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._model = _Model(len(layers), first.input_layernorm.weight.shape[0],
+                             first.mlp.down_proj.qweight.in_features, attention.num_heads, attention.num_kv_heads,
+                             attention.head_dim, model.attn_backend.block_size, int(self.dtype == torch.bfloat16),
+                             first.input_layernorm.eps, attention.scale, self._layers,
+                             _pointer(decoder.norm.weight, self.dtype),
+                             _pointer(decoder.rotary_emb.cos_sin, self.dtype), decoder.rotary_emb.cos_sin.shape[0])
+        self._handle = ctypes.addressof(self._model)
+        self._bound_cache: int | None = None
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
+        """A ``FusedDecoder`` for ``model``, or None (with the reason logged once) where it does not apply."""
+        if os.environ.get(ENV_FLAG, "1") == "0":
+            return None
+        reason = cls._unsupported(model)
+        if reason is None and (lib := load_kernel()) is not None:
+            try:
+                return cls(model, lib)
+            except ValueError as err:
+                reason = str(err)
+        if reason is not None:
+            logger.info("decode steps run the decoder layers one by one: %s", reason)
+        return None
+
+    @staticmethod
+    def _unsupported(model: LlamaForCausalLM) -> str | None:
+        """Why ``model`` cannot run the fused call, or None when it can."""
+        decoder = model.model
+        dtype, device = decoder.norm.weight.dtype, decoder.norm.weight.device
+        if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+            return f"the fused decode runs float32 and bfloat16 models on the CPU, not {dtype} on {device}"
+        if not isinstance(model.attn_backend, CpuAttentionBackend):
+            return "the fused decode runs with the CPU attention backend"
+        first = decoder.layers[0]
+        if first.self_attn.qk_norm is not None:
+            return "the fused decode has no per-head query and key norms (Qwen3)"
+        if first.self_attn.qkv_proj.tp.size != 1:
+            return "the fused decode runs on one tensor-parallel rank"
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if any(getattr(m, "qweight", None) is None
+                   for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+                return "the fused decode needs every projection quantized (--quantization gguf, int8 or int4)"
+        return None
+
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Point every layer at its ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache."""
+        for layer, cache_tensor in zip(self._layers, kv_caches, strict=True):
+            layer.key_cache, layer.value_cache = cache_tensor[0].data_ptr(), cache_tensor[1].data_ptr()
+        self._bound_cache = kv_caches[0].data_ptr()
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metadata: AttentionMetadata) -> torch.Tensor | None:
+        """``[B, hidden_size]`` final hidden states of a decode-only step (``B = len(input_ids)``, one token per
+        request), its keys and values written into ``kv_caches``; None (nothing done) when the step does not
+        qualify (more than ``MAX_ROWS`` tokens, a cache of another dtype or layout, shapes the kernels refuse),
+        or while the quantized layers are set to dequantize instead of running their kernel (``use_kernel``).
+
+        Args, as ``CausalLM.forward``; ``metadata`` is the runner's common ``AttentionMetadata``.
+        """
+        num_tokens = input_ids.shape[0]
+        block_table, cache_tensor = metadata.block_table, kv_caches[0]
+        if (num_tokens > MAX_ROWS or not self._linear_method.use_kernel or cache_tensor.dtype != self.dtype
+                or not cache_tensor.is_contiguous() or cache_tensor.shape[2] != self._model.block_size
+                or block_table.dtype != torch.int32 or block_table.stride(1) != 1
+                or metadata.seq_lens.dtype != torch.int32 or metadata.slot_mapping.dtype != torch.int64
+                or positions.dtype != torch.int64):
+            return None
+        if cache_tensor.data_ptr() != self._bound_cache:
+            self._bind_caches(kv_caches)
+        hidden = self.embed(input_ids)
+        status = self._forward(self._handle, hidden.data_ptr(), num_tokens, positions.data_ptr(),
+                               metadata.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                               metadata.seq_lens.data_ptr())
+        return hidden if status == 0 else None

@@ -1,0 +1,145 @@
+"""The fused decode step (``engine.model.fused_decode``) against the layer-by-layer path it replaces.
+
+The fused call runs the same kernels' code with the same roundings, so its final
+hidden states and the keys and values it writes must equal the unfused path's
+bit for bit, in float32 and bfloat16, on every model it accepts; greedy
+generation must produce the same tokens. Where it does not apply it must do
+nothing, so the step runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.quant_error import use_kernel
+from engine.llm import LLM
+from engine.model import fused_decode
+from engine.model.fused_decode import MAX_ROWS, FusedDecoder
+from engine.model.loader import load_hf_config, load_model, resolve_model_path
+from engine.sampling_params import SamplingParams
+from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
+
+CPU = torch.device("cpu")
+BLOCK_SIZE = 16
+#: head_dim 32: the fused call quantizes each head's output by 32-blocks.
+TINY_SIZES = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_model(tmp_path_factory, model_type: str, dtype: torch.dtype, quantization: str | None):
+    folder = tmp_path_factory.mktemp(model_type)
+    tiny_hf_model(model_type, folder, tie_word_embeddings=False, **TINY_SIZES)
+    source = resolve_model_path(str(folder))
+    return load_model(source, load_hf_config(source), dtype, CPU, attn_backend="cpu", block_size=BLOCK_SIZE,
+                      quantization=quantization)
+
+
+def random_step(model, context_lens: list[int], seed: int = 0):
+    """A decode step of ``len(context_lens)`` requests over random cached keys and values:
+    (input ids, positions, kv caches, the runner's common metadata)."""
+    generator = torch.Generator().manual_seed(seed)
+    dtype = model.model.norm.weight.dtype
+    blocks_each = [-(-(n + 1) // BLOCK_SIZE) for n in context_lens]
+    num_blocks = sum(blocks_each) + 2
+    kv_caches = [(torch.randn(2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, generator=generator)
+                  * 0.5).to(dtype) for _ in range(model.num_layers)]
+    ids = np.random.default_rng(seed).permutation(num_blocks - 1)[:sum(blocks_each)] + 1  # block 0 stays unused
+    tables = np.split(ids, np.cumsum(blocks_each)[:-1])
+    metadata = build_metadata([t.tolist() for t in tables], context_lens, [1] * len(context_lens), BLOCK_SIZE)
+    input_ids = torch.randint(3, model.vocab_size, (len(context_lens),), generator=generator)
+    positions = torch.from_numpy(step_positions(context_lens, [1] * len(context_lens)))
+    return input_ids, positions, kv_caches, metadata
+
+
+def both_paths(model, context_lens: list[int]):
+    """(unfused hidden states and caches, fused hidden states and caches) of one random decode step."""
+    input_ids, positions, kv_caches, metadata = random_step(model, context_lens)
+    fused = FusedDecoder.build(model)
+    assert fused is not None
+    with torch.inference_mode():
+        expected_caches = [t.clone() for t in kv_caches]
+        expected = model(input_ids, positions, expected_caches, model.attn_backend.build_metadata(metadata))
+        caches = [t.clone() for t in kv_caches]
+        hidden = fused(input_ids, positions, caches, metadata)
+    return (expected, expected_caches), (hidden, caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("model_type", "quantization"), [("llama", "int8"), ("qwen2", "int4"), ("mistral", "int8")])
+def test_fused_step_equals_the_layer_by_layer_step_bit_for_bit(tmp_path_factory, model_type, quantization,
+                                                               dtype) -> None:
+    """Batches of 1, 3 and 9 requests with contexts inside one block, across blocks, and over 100 tokens
+    (qwen2: biases on q, k and v)."""
+    model = tiny_model(tmp_path_factory, model_type, dtype, quantization)
+    for context_lens in ([0], [5, 37, 100], [1, 2, 15, 16, 17, 40, 63, 64, 130]):
+        (expected, expected_caches), (hidden, caches) = both_paths(model, context_lens)
+        assert hidden is not None
+        assert torch.equal(hidden, expected), (context_lens, (hidden.float() - expected.float()).abs().max())
+        for layer, (got, want) in enumerate(zip(caches, expected_caches, strict=True)):
+            assert torch.equal(got, want), (context_lens, layer)
+
+
+def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) -> None:
+    model = tiny_model(tmp_path_factory, "llama", torch.float32, "int8")
+    fused = FusedDecoder.build(model)
+    input_ids, positions, kv_caches, metadata = random_step(model, [3, 4])
+    before = [t.clone() for t in kv_caches]
+    # A position beyond the rotary table: None, and no cache written.
+    beyond = positions.clone()
+    beyond[1] = model.model.rotary_emb.cos_sin.shape[0]
+    assert fused(input_ids, beyond, kv_caches, metadata) is None
+    assert all(torch.equal(a, b) for a, b in zip(kv_caches, before, strict=True))
+    # A cache of another dtype than the activations.
+    assert fused(input_ids, positions, [t.to(torch.bfloat16) for t in kv_caches], metadata) is None
+    # The quantized layers set to dequantize and multiply (benchmarks.quant_error.use_kernel).
+    use_kernel(model, False)
+    assert fused(input_ids, positions, kv_caches, metadata) is None
+    use_kernel(model, True)
+    assert fused(input_ids, positions, kv_caches, metadata) is not None
+    # More rows than the quantized kernel takes.
+    assert fused(*random_step(model, [3] * (MAX_ROWS + 1))) is None
+    # The switch off.
+    monkeypatch.setenv(fused_decode.ENV_FLAG, "0")
+    assert FusedDecoder.build(model) is None
+
+
+@pytest.mark.parametrize(("model_type", "quantization", "reason"), [
+    ("llama", None, "every projection quantized"),
+    ("qwen3", "int8", "per-head query and key norms"),
+])
+def test_models_it_does_not_run_say_why(tmp_path_factory, caplog, model_type, quantization, reason) -> None:
+    model = tiny_model(tmp_path_factory, model_type, torch.float32, quantization)
+    with caplog.at_level("INFO", logger=fused_decode.__name__):
+        assert FusedDecoder.build(model) is None
+    assert reason in caplog.text
+
+
+# --- the embedded SmolLM2 with --quantization gguf ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_llm():
+    llm = LLM(quantization="gguf", max_model_len=512, kv_cache_memory_bytes="32MiB")
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_smollm2_gguf_greedy_tokens_are_the_same_fused_or_not(gguf_llm) -> None:
+    """Four prompts decoded together (the batch shrinks as they finish), each 40 tokens."""
+    model = gguf_llm.engine_core.executor.worker.model
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,",
+               "List three colours:"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 31, 22, 13)]
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in gguf_llm.generate(prompts, params, use_tqdm=False)]
+
+    model._fused_decoder = None
+    expected = generate()
+    model._fused_decoder = FusedDecoder.build(model)
+    assert model._fused_decoder is not None
+    assert generate() == expected
