@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.run_all import HOST, ServerProcess, free_port
+from benchmarks.run_all import HOST, ServerProcess, free_port, rss_mib
 
 VOCAB_SIZE = 49_152  # SmolLM2's
 ATTACK_TIMEOUT_S = 600.0
@@ -61,17 +61,6 @@ class Result:
     statuses: list[int | str] = field(default_factory=list)
     response_bytes: int = 0
     note: str = ""
-
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of ``pid`` and its children (tensor-parallel ranks, compile helpers), in MiB."""
-    pids = [pid] + [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    total_kib = 0
-    for one in pids:
-        for line in Path(f"/proc/{one}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                total_kib += int(line.split()[1])
-    return total_kib / 1024
 
 
 def words(rng: random.Random, count: int, length: int = 12) -> list[str]:

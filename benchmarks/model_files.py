@@ -8,9 +8,13 @@ without importing the package, so nothing here loads weights.
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine.config import cache_dir
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDING_TENSOR = "token_embd.weight"
@@ -74,3 +78,29 @@ def gguf_weight_stats(path: Path | None = None) -> WeightStats:
         all_params=sum(int(t.n_elements) for t in reader.tensors),
         embedding_params=sum(int(t.n_elements) for t in reader.tensors if t.name == _EMBEDDING_TENSOR),
     )
+
+
+def requantized_gguf(fmt: str, llama_quantize: str, source: Path | None = None) -> Path:
+    """``source`` (default: the embedded SmolLM2) requantized to ``fmt`` by llama.cpp's ``llama-quantize
+    --allow-requantize``, made once under ``$PAGEDSERVE_CACHE_DIR/bench-gguf/`` and reused.
+
+    The formats llama.cpp's CPU kernels are fastest in (Q4_0, Q8_0, BF16) are not the shipped Q4_1; BF16
+    holds the Q4_1 values exactly, Q4_0 and Q8_0 round them again.
+
+    Args:
+        fmt: a type ``llama-quantize`` knows (``Q4_0``, ``Q8_0``, ``BF16``, ...).
+        llama_quantize: the ``llama-quantize`` executable.
+
+    Raises:
+        subprocess.CalledProcessError: ``llama-quantize`` failed (its output is in the exception).
+    """
+    source = source or default_gguf_path()
+    folder = Path(cache_dir()) / "bench-gguf"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{source.name.split('.')[0]}.{fmt}.gguf"
+    if not target.is_file():
+        partial = target.with_suffix(f".partial-{os.getpid()}")
+        subprocess.run([llama_quantize, "--allow-requantize", str(source), str(partial), fmt], check=True,
+                       capture_output=True, text=True)
+        os.replace(partial, target)
+    return target

@@ -3,11 +3,19 @@
 Each server is started here as a subprocess on a free loopback port, waited
 for (GET /health or /v1/models answering 200), sent the same prompts per
 scenario, and stopped. A server that is not installed or does not come up is
-skipped with a note. The Markdown report, the JSON and a comparison plot of
-every server (``benchmarks/plots.py``: output tok/s, TTFT and TPOT per
-scenario; same file stem, ``.png``) land in ``benchmarks/results/``.
+skipped with a note. The whole set runs ``--repeats`` times, the servers
+interleaved (ours, the peers, ours, ...), so that a machine's drift reaches all
+of them alike; the report gives each figure's median and spread over the
+repeats, the best llama-server format per scenario, and our servers' ratios to
+it. llama.cpp runs the formats its CPU kernels are fastest in (Q4_0, Q8_0,
+BF16, made from the embedded file by ``llama-quantize``) beside the shipped
+Q4_1, and our GGUF path runs the same files. The Markdown report, the JSON, a
+comparison plot (``benchmarks/plots.py``; same file stem, ``.png``) and every
+server's log (its effective settings: ubatch, flash attention, threads,
+slots) land in ``benchmarks/results/``; the roofline is measured before and
+after the runs.
 
-    python -m benchmarks.run_all --servers naive,llama-server --scenarios P1
+    python -m benchmarks.run_all --servers pagedserve-gguf-q4_0,llama-server-q4_0 --scenarios P1 --repeats 3
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +44,13 @@ import httpx
 import torch
 
 from benchmarks.dataset import SyntheticRequest, Tokenizer, grounded_requests, sample_requests
-from benchmarks.model_files import WeightStats, default_gguf_path, gguf_weight_stats, load_tokenizer
+from benchmarks.model_files import (
+    WeightStats,
+    default_gguf_path,
+    gguf_weight_stats,
+    load_tokenizer,
+    requantized_gguf,
+)
 from benchmarks.roofline import (
     DTYPES,
     cpu_model,
@@ -103,11 +118,37 @@ def scenario_requests(scenario: Scenario, tokenizer: Tokenizer) -> list[Syntheti
 
 def llama_server_binary() -> str | None:
     """``$LLAMA_SERVER``, else ``llama-server`` beside this Python or on PATH."""
-    beside_python = Path(sys.executable).parent / "llama-server"
-    for candidate in (os.environ.get("LLAMA_SERVER"), str(beside_python), shutil.which("llama-server")):
+    return _executable("LLAMA_SERVER", "llama-server")
+
+
+def llama_quantize_binary() -> str | None:
+    """``$LLAMA_QUANTIZE``, else ``llama-quantize`` beside the llama-server found, beside this Python or on PATH."""
+    server = llama_server_binary()
+    beside_server = str(Path(server).parent / "llama-quantize") if server else None
+    return _executable("LLAMA_QUANTIZE", "llama-quantize", beside_server)
+
+
+def _executable(variable: str, name: str, *extra: str | None) -> str | None:
+    beside_python = Path(sys.executable).parent / name
+    for candidate in (os.environ.get(variable), *extra, str(beside_python), shutil.which(name)):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return candidate
     return None
+
+
+def amx_preload() -> str | None:
+    """On a CPU with AMX, the library (``baselines/amx_permission.c``, built once) that asks Linux for the AMX
+    state before llama-server's main, so its AMX kernels run instead of dying of SIGILL; else None."""
+    if "amx_tile" not in Path("/proc/cpuinfo").read_text():
+        return None
+    from engine.model.c_kernels import load_c_library
+
+    lib = load_c_library(Path(__file__).parent / "baselines" / "amx_permission.c", "llama-server's AMX permission")
+    return None if lib is None else lib._name
+
+
+#: The GGUF types llama.cpp's CPU kernels are fastest in, made from the embedded Q4_1 file (``requantized_gguf``).
+PEER_FORMATS = ("Q4_0", "Q8_0", "BF16")
 
 
 @dataclass(frozen=True)
@@ -120,6 +161,8 @@ class ServerSpec:
     # The dtype weights are served in ("float32", "bfloat16"); None: the GGUF's own quantized bytes.
     weight_dtype: str | None
     bans_eos_by_logit_bias: bool = False  # the server ignores ignore_eos; ban EOS through logit_bias
+    # The GGUF file it serves when not the embedded one (made on first use), for its weight bytes.
+    model_file: Callable[[], Path] | None = None
 
     @property
     def compute_dtype(self) -> str:
@@ -134,9 +177,33 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
     def no_module(module: str, install: str) -> Callable[[], str | None]:
         return lambda: None if importlib.util.find_spec(module) else f"not installed ({install})"
 
-    def pagedserve(dtype: str, *extra: str) -> Callable[[int, Scenario], list[str]]:
+    def pagedserve(dtype: str, *extra: str, model: Callable[[], Path] | None = None
+                   ) -> Callable[[int, Scenario], list[str]]:
         return lambda port, _: [python, "-m", "server", "serve", "--host", HOST, "--port", str(port),
-                                "--dtype", dtype, *extra]
+                                "--dtype", dtype, *extra, *(["--model", str(model())] if model else [])]
+
+    preload = amx_preload()
+
+    def llama_server(model: Callable[[], Path]) -> Callable[[int, Scenario], list[str]]:
+        return lambda port, s: [
+            *(["env", f"LD_PRELOAD={preload}"] if preload else []), llama_server_binary() or "llama-server",
+            "-m", str(model()), "--host", HOST, "--port", str(port),
+            "-np", str(s.concurrency), "-c", str((s.input_len[1] + s.output_len + CTX_SLACK) * s.concurrency),
+            "-t", cores, "-tb", cores, "--cont-batching"]
+
+    def no_llama_server() -> str | None:
+        return None if llama_server_binary() else "binary not found (see benchmarks/baselines/README.md)"
+
+    def no_llama_quantize() -> str | None:
+        if llama_quantize_binary() is None:
+            return "llama-quantize not found, to make the file (see benchmarks/baselines/README.md)"
+        return None
+
+    def no_peer_file() -> str | None:
+        return no_llama_server() or no_llama_quantize()
+
+    def requantized(fmt: str) -> Callable[[], Path]:
+        return lambda: requantized_gguf(fmt, llama_quantize_binary() or "llama-quantize", gguf)
 
     specs = [
         ServerSpec("pagedserve", pagedserve("float32"), missing=lambda: None, weight_dtype="float32"),
@@ -158,14 +225,17 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
             "--n_ctx", str(LLAMA_CPP_PYTHON_CTX)],
                    missing=no_module("llama_cpp", "see benchmarks/baselines/README.md"),
                    weight_dtype=None, bans_eos_by_logit_bias=True),
-        ServerSpec("llama-server", lambda port, s: [
-            llama_server_binary() or "llama-server", "-m", str(gguf), "--host", HOST, "--port", str(port),
-            "-np", str(s.concurrency), "-c", str((s.input_len[1] + s.output_len + CTX_SLACK) * s.concurrency),
-            "-t", cores, "-tb", cores, "--cont-batching"],
-                   missing=lambda: None if llama_server_binary() else
-                   "binary not found (see benchmarks/baselines/README.md)",
-                   weight_dtype=None),
+        ServerSpec("llama-server", llama_server(lambda: gguf), missing=no_llama_server, weight_dtype=None),
     ]
+    for fmt in PEER_FORMATS:
+        model, suffix = requantized(fmt), fmt.lower()
+        weight_dtype = "bfloat16" if fmt == "BF16" else None
+        specs.append(ServerSpec(f"llama-server-{suffix}", llama_server(model), missing=no_peer_file,
+                                weight_dtype=weight_dtype, model_file=model))
+        if weight_dtype is None:  # our GGUF path on the same blocks (BF16 is pagedserve-bf16's weights)
+            specs.append(ServerSpec(f"pagedserve-gguf-{suffix}", pagedserve("float32", "--quantization", "gguf",
+                                                                            model=model),
+                                    missing=no_llama_quantize, weight_dtype=None, model_file=model))
     return {s.name: s for s in specs}
 
 
@@ -220,6 +290,17 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of ``pid`` and its children (tensor-parallel ranks, compile helpers), in MiB."""
+    pids = [pid] + [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    total_kib = 0
+    for one in pids:
+        for line in Path(f"/proc/{one}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total_kib += int(line.split()[1])
+    return total_kib / 1024
 
 
 def eos_logit_bias(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -301,6 +382,69 @@ def _row(run: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def headline_metric(scenario: Scenario) -> tuple[str, bool]:
+    """The figure the summary ranks servers by in ``scenario``, and whether lower is better: the one a user
+    feels, time per output token for one user, time to answer a long prompt, output throughput under load."""
+    if scenario.kind == "long-prompt":
+        return "p50_e2el_ms", True
+    if scenario.concurrency == 1:
+        return "p50_tpot_ms", True
+    return "output_throughput", False
+
+
+SUMMARY_METRICS = ("output_throughput", "p50_tpot_ms", "p50_ttft_ms", "p50_e2el_ms")
+PEER_PREFIX = "llama-server"
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median, min and max of ``SUMMARY_METRICS`` per (server, scenario) over the repeats, in run order."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["server"], run["scenario"]), []).append(run)
+    return [{"server": server, "scenario": scenario, "repeats": len(group),
+             **{m: {"median": statistics.median(r[m] for r in group), "min": min(r[m] for r in group),
+                    "max": max(r[m] for r in group)} for m in SUMMARY_METRICS}}
+            for (server, scenario), group in groups.items()]
+
+
+def compare_to_best_peer(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scenario: the best llama-server format by its headline metric (median), and each of our servers'
+    ratio to it (ours / best: below 1 is better for times, above 1 for throughput)."""
+    rows = []
+    for name, scenario in SCENARIOS.items():
+        metric, lower_is_better = headline_metric(scenario)
+        entries = [e for e in summary if e["scenario"] == name]
+        peers = [e for e in entries if e["server"].startswith(PEER_PREFIX)]
+        if not peers:
+            continue
+        best = (min if lower_is_better else max)(peers, key=lambda e: e[metric]["median"])
+        for ours in (e for e in entries if not e["server"].startswith(PEER_PREFIX)):
+            rows.append({"scenario": name, "metric": metric, "server": ours["server"],
+                         "value": ours[metric]["median"], "best_peer": best["server"],
+                         "peer_value": best[metric]["median"],
+                         "ratio": ours[metric]["median"] / best[metric]["median"]})
+    return rows
+
+
+def _summary_lines(report: dict[str, Any]) -> list[str]:
+    def cell(entry: dict[str, Any], metric: str, digits: int) -> str:
+        stats = entry[metric]
+        return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}–{stats['max']:.{digits}f})"
+
+    lines = ["", "Medians over the interleaved repeats (min–max):", "",
+             "| server | scenario | repeats | out tok/s | TPOT p50 ms | TTFT p50 ms | E2E p50 ms |", "|" + "---|" * 7]
+    lines += [f"| {e['server']} | {e['scenario']} | {e['repeats']} | {cell(e, 'output_throughput', 1)} "
+              f"| {cell(e, 'p50_tpot_ms', 1)} | {cell(e, 'p50_ttft_ms', 0)} | {cell(e, 'p50_e2el_ms', 0)} |"
+              for e in report["summary"]]
+    if report["versus_best_peer"]:
+        lines += ["", "Against llama-server's best format per scenario (medians; ours ÷ best):", "",
+                  "| scenario | figure | server | ours | llama-server (best) | best format | ours ÷ best |",
+                  "|" + "---|" * 7]
+        lines += [f"| {r['scenario']} | {r['metric']} | {r['server']} | {r['value']:.1f} | {r['peer_value']:.1f} "
+                  f"| {r['best_peer']} | {r['ratio']:.2f}x |" for r in report["versus_best_peer"]]
+    return lines
+
+
 def markdown_report(report: dict[str, Any]) -> str:
     """The human-readable report: machine, roofline, scenarios, one table row per run, skips."""
     machine, roof, weights = report["machine"], report["roofline"], report["model"]
@@ -311,6 +455,7 @@ def markdown_report(report: dict[str, Any]) -> str:
                       for name, by_rows in roof["matmul_flops"].items())
     bounds = ", ".join(f"{1000 * decode_bandwidth_bound_s(dtype.itemsize * weights['all_params'], bw):.1f} "
                        f"ms/token with {name} weights" for name, dtype in DTYPES.items())
+    after = report.get("roofline_after")
     lines = [
         f"# Serving benchmark, {report['date']}", "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
@@ -323,7 +468,9 @@ def markdown_report(report: dict[str, Any]) -> str:
         f"Roofline: matmul at the model's GEMMs, M = {rows} token rows, GFLOP/s: {flops}; memory bandwidth "
         f"(copy) {roof['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, read by a matrix-vector product {bw / 1e9:.1f} "
         f"GB/s. Batch-1 decode bound (weights / GEMV bandwidth): {bounds}, "
-        f"{1000 * decode_bandwidth_bound_s(weights['weight_bytes'], bw):.1f} ms/token with the GGUF's.",
+        f"{1000 * decode_bandwidth_bound_s(weights['weight_bytes'], bw):.1f} ms/token with the GGUF's."
+        + (f" After the runs: copy {after['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, GEMV "
+           f"{after['gemv_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s." if after else ""),
         "",
         "Scenarios:", *[f"- {line}" for line in report["scenarios"]], "",
         "| server | scenario | prompts | ok/failed | duration s | req/s | out tok/s | total tok/s "
@@ -340,7 +487,10 @@ def markdown_report(report: dict[str, Any]) -> str:
         "A long-prompt scenario's time to answer is its E2E latency. "
         "A mean output length under the scenario's means the server stopped "
         "at EOS. The load generator shares the CPU with the server.",
+        *_summary_lines(report),
     ]
+    if report.get("logs"):
+        lines += ["", f"Server logs (effective settings): `{report['logs']}`."]
     if report["skipped"]:
         lines += ["", "Skipped:", *[f"- {s['server']}: {s['reason']}" for s in report["skipped"]]]
     return "\n".join(lines) + "\n"
@@ -356,16 +506,19 @@ def _parse_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
-#: Variants measured only when asked for (``--servers``): they answer one question each.
-OPT_IN_SERVERS = ("pagedserve-bf16-no-records",)
+#: ``make bench``: our bf16 and GGUF paths against llama-server on the shipped file and on the formats it is
+#: fastest in, ours on the same files. The rest (fp32, n-gram speculation, the Python baselines, ...) answer
+#: one question each and run when named.
+DEFAULT_SERVERS = ("pagedserve-bf16", "pagedserve-gguf", "pagedserve-gguf-q4_0", "pagedserve-gguf-q8_0",
+                   "llama-server", "llama-server-q4_0", "llama-server-q8_0", "llama-server-bf16")
 
 
 def parse_args(argv: list[str] | None, server_names: list[str]) -> argparse.Namespace:
     """Command-line options; see ``--help``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--servers", default=",".join(n for n in server_names if n not in OPT_IN_SERVERS),
-                        help=f"comma-separated subset of {','.join(server_names)} (default: all but "
-                             f"{','.join(OPT_IN_SERVERS)})")
+    parser.add_argument("--servers", default=",".join(DEFAULT_SERVERS),
+                        help=f"comma-separated subset of {','.join(server_names)} (default: "
+                             f"{','.join(DEFAULT_SERVERS)}: ours against llama-server at its best)")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS),
                         help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--num-prompts", type=int, default=None, help="prompts per scenario (overrides all)")
@@ -374,6 +527,8 @@ def parse_args(argv: list[str] | None, server_names: list[str]) -> argparse.Name
                         f"(defaults: {', '.join(f'{k}={v}' for k, v in DEFAULT_PROMPT_CAPS.items())})")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for a server")
     parser.add_argument("--roofline-time", type=float, default=0.5, help="seconds per roofline measurement")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="times the whole set runs, the servers interleaved in each (default 3)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     args.prompt_cap = DEFAULT_PROMPT_CAPS | _parse_caps(args.prompt_cap)
@@ -434,22 +589,26 @@ def main(argv: list[str] | None = None) -> int:
 
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
     runs: list[dict[str, Any]] = []
-    skipped: list[dict[str, str]] = []
-    for name in args.servers:
-        spec = specs[name]
-        reason = spec.missing()
-        if reason is not None:
-            print(f"[{name}] skipped: {reason}", flush=True)
-            skipped.append({"server": name, "reason": reason})
-            continue
-        server_runs, server_skips = benchmark_server(spec, scenarios, datasets, args.prompt_cap.get(name),
-                                                     tokenizer, args.startup_timeout, log_dir)
-        for run in server_runs:
-            add_derived_metrics(run, spec, weights, roofline)
-        for skip in server_skips:
-            print(f"[{name}] skipped: {skip['reason']}", flush=True)
-        runs += server_runs
-        skipped += server_skips
+    skipped: dict[str, str] = {}
+    for repeat in range(args.repeats):
+        for name in args.servers:
+            if name in skipped:
+                continue
+            spec = specs[name]
+            reason = spec.missing()
+            if reason is None:
+                server_runs, server_skips = benchmark_server(spec, scenarios, datasets, args.prompt_cap.get(name),
+                                                             tokenizer, args.startup_timeout, log_dir)
+                reason = server_skips[0]["reason"] if server_skips else None
+                served = gguf_weight_stats(spec.model_file()) if spec.model_file else weights
+                for run in server_runs:
+                    add_derived_metrics(run, spec, served, roofline)
+                    run["repeat"] = repeat
+                runs += server_runs
+            if reason is not None:
+                print(f"[{name}] skipped: {reason}", flush=True)
+                skipped[name] = reason
+    roofline_after = measure_roofline(args.roofline_time)
 
     now = datetime.now(UTC)
     report = {
@@ -458,12 +617,19 @@ def main(argv: list[str] | None = None) -> int:
                     "python": platform.python_version()},
         "model": {"file": gguf.name, **asdict(weights), "non_embedding_params": weights.non_embedding_params},
         "roofline": roofline,
+        "roofline_after": roofline_after,
         "scenarios": [s.describe() for s in scenarios],
+        "repeats": args.repeats,
         "runs": runs,
-        "skipped": skipped,
+        "summary": (summary := summarize(runs)),
+        "versus_best_peer": compare_to_best_peer(summary),
+        "skipped": [{"server": name, "reason": reason} for name, reason in skipped.items()],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"bench-{now.strftime('%Y%m%d-%H%M%S')}"
+    logs = stem.with_name(stem.name + "-logs")
+    shutil.copytree(log_dir, logs)
+    report["logs"] = str(logs.relative_to(REPO_ROOT) if logs.is_relative_to(REPO_ROOT) else logs)
     markdown = markdown_report(report)
     # The results first: a plot that cannot be drawn must not lose them.
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.run_all import ServerProcess, free_port
+from benchmarks.run_all import ServerProcess, free_port, rss_mib
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex every jolly bard".split()
 
@@ -115,13 +115,6 @@ def _check_status(kind: str, valid: bool, response: httpx.Response, result: Soak
         result.fail(f"{kind}: HTTP {status}: {response.text[:200]}")
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
 async def soak(base_url: str, pid: int, seconds: float, concurrency: int, sample_s: float, seed: int) -> SoakResult:
     """Run the mix for ``seconds`` with ``concurrency`` clients against ``base_url`` (server ``pid``)."""
     result = SoakResult()
@@ -136,11 +129,11 @@ async def soak(base_url: str, pid: int, seconds: float, concurrency: int, sample
 
     async def sampler() -> None:
         while time.monotonic() < deadline:
-            result.rss_mib.append((round(time.monotonic() - start, 1), round(_rss_mib(pid), 1)))
+            result.rss_mib.append((round(time.monotonic() - start, 1), round(rss_mib(pid), 1)))
             await asyncio.sleep(sample_s)
 
     await asyncio.gather(sampler(), *(client_loop(i) for i in range(concurrency)))
-    result.rss_mib.append((round(time.monotonic() - start, 1), round(_rss_mib(pid), 1)))
+    result.rss_mib.append((round(time.monotonic() - start, 1), round(rss_mib(pid), 1)))
     return result
 
 

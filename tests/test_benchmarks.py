@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import threading
@@ -278,3 +279,72 @@ def test_run_all_adds_mfu_and_the_batch_1_bandwidth_bound() -> None:
         run_all.add_derived_metrics(run, spec, weights, roofline)
         assert run["mfu"] == pytest.approx(mfu), weight_dtype
         assert run["bandwidth_bound_ms_per_token"] == pytest.approx(bound_ms), weight_dtype
+
+
+def test_run_all_summarizes_repeats_and_compares_with_the_best_peer_format() -> None:
+    """Medians over interleaved repeats; per scenario the best llama-server format by the figure a user feels
+    (TPOT for one user, output tok/s under load), and our servers' ratios to it."""
+    from benchmarks import run_all
+
+    def run(server: str, scenario: str, tpot: float, throughput: float) -> dict:
+        return {"server": server, "scenario": scenario, "output_throughput": throughput, "p50_tpot_ms": tpot,
+                "p50_ttft_ms": 50.0, "p50_e2el_ms": 1000.0}
+
+    runs = [run("pagedserve-gguf", "P1", tpot, 0) for tpot in (6.0, 9.0, 7.0)]
+    runs += [run("llama-server", "P1", tpot, 0) for tpot in (12.0, 11.0, 13.0)]  # Q4_1, the slow format
+    runs += [run("llama-server-q4_0", "P1", tpot, 0) for tpot in (8.0, 7.5, 9.0)]
+    runs += [run("pagedserve-gguf", "P16", 0, tput) for tput in (300.0, 320.0, 310.0)]
+    runs += [run("llama-server-bf16", "P16", 0, tput) for tput in (100.0, 110.0, 90.0)]
+    summary = run_all.summarize(runs)
+    ours = next(e for e in summary if e["server"] == "pagedserve-gguf" and e["scenario"] == "P1")
+    assert ours["repeats"] == 3 and ours["p50_tpot_ms"] == {"median": 7.0, "min": 6.0, "max": 9.0}
+    rows = {(r["scenario"], r["server"]): r for r in run_all.compare_to_best_peer(summary)}
+    assert rows["P1", "pagedserve-gguf"]["best_peer"] == "llama-server-q4_0"
+    assert rows["P1", "pagedserve-gguf"]["ratio"] == pytest.approx(7.0 / 8.0)
+    assert rows["P16", "pagedserve-gguf"]["ratio"] == pytest.approx(310.0 / 100.0)
+    assert set(rows) == {("P1", "pagedserve-gguf"), ("P16", "pagedserve-gguf")}
+
+
+def test_requantized_files_are_made_once_by_llama_quantize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks.model_files import requantized_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = tmp_path / "calls"
+    fake = tmp_path / "llama-quantize"  # appends its arguments to `calls`, writes "<source> as <type>"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "$(cat $2) as $4" > $3\n')
+    fake.chmod(0o755)
+    source = tmp_path / "Model-1B.Q4_1.gguf"
+    source.write_text("weights")
+    for _ in range(2):
+        made = requantized_gguf("Q4_0", str(fake), source)
+    assert made.name == "Model-1B.Q4_0.gguf" and made.read_text() == "weights as Q4_0\n"
+    assert calls.read_text().splitlines() == [f"--allow-requantize {source} {made.with_suffix('')}"
+                                              f".partial-{os.getpid()} Q4_0"]
+
+
+def test_the_amx_permission_preload_builds_and_loads_anywhere() -> None:
+    """On a CPU without AMX its request fails harmlessly; run_all preloads it only where /proc/cpuinfo has AMX."""
+    from benchmarks import run_all
+    from engine.model.c_kernels import load_c_library
+
+    lib = load_c_library(Path(run_all.__file__).parent / "baselines" / "amx_permission.c", "a test")
+    assert lib is not None and lib.amx_permission_loaded() == 1
+    assert (run_all.amx_preload() is not None) == ("amx_tile" in Path("/proc/cpuinfo").read_text())
+
+
+def test_rss_counts_the_server_and_its_children(tmp_path: Path) -> None:
+    """A tensor-parallel server's ranks are its children: their memory is the server's too."""
+    import subprocess
+
+    from benchmarks.run_all import rss_mib
+
+    alone = rss_mib(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; data = bytearray(200 << 20); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while rss_mib(os.getpid()) < alone + 150 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rss_mib(os.getpid()) >= alone + 150
+    finally:
+        child.kill()
+        child.wait()

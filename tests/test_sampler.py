@@ -14,6 +14,7 @@ from engine.worker import sample_ops
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.sample_ops import (
     LOGITS_OPS,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_temperature,
@@ -183,6 +184,13 @@ def test_logit_bias_adds_exactly_before_penalties():
                              logit_bias=[{0: 1.5, 2: -100.0}, None, {0: -1.0}])
     expected = torch.tensor([[2.0, 1.0, -102.0], [0.5, 1.0, -2.0], [-1.0, 1.0, -2.0]])
     torch.testing.assert_close(process_logits(logits, metadata), expected, rtol=0, atol=0)
+
+
+def test_logit_bias_refuses_logits_of_another_width():
+    """Its flat positions are row * V + id: logits of another width would get a bias in the wrong row."""
+    metadata = make_metadata(2, vocab_size=3, logit_bias=[None, {0: 1.0}])
+    with pytest.raises(ValueError, match="gathered for 3 logits a row, got 4"):
+        apply_logit_bias(torch.zeros(2, 4), metadata)
 
 
 def test_penalties_match_a_per_token_reference_on_random_batches():

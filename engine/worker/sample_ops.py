@@ -95,10 +95,15 @@ def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
 
     Returns:
         ``[B, V]`` float32 biased logits; ``logits`` itself when no row has a bias.
+
+    Raises:
+        ValueError: the logits are not V wide (a flat position would land in another row).
     """
     bias = metadata.logit_bias
     if bias is None:
         return logits
+    if logits.shape[-1] != bias.vocab_size:
+        raise ValueError(f"logit_bias was gathered for {bias.vocab_size} logits a row, got {logits.shape[-1]}")
     return logits.flatten().index_add(0, bias.index, bias.values).view_as(logits)
 
 

@@ -18,10 +18,12 @@ class LogitBias:
     Attributes:
         index: ``[N]`` int64 distinct positions ``row * V + token id``.
         values: ``[N]`` float32 the bias to add at each.
+        vocab_size: V, the width of the logits the positions are for.
     """
 
     index: torch.Tensor
     values: torch.Tensor
+    vocab_size: int
 
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[np.ndarray, np.ndarray] | None], vocab_size: int,
@@ -46,7 +48,7 @@ class LogitBias:
         index = np.repeat(starts, lengths) + np.concatenate([token_ids for _, (token_ids, _) in biased])
         values = np.concatenate([values for _, (_, values) in biased])
         return cls(torch.from_numpy(index).to(device, non_blocking=True),
-                   torch.from_numpy(values).to(device, non_blocking=True))
+                   torch.from_numpy(values).to(device, non_blocking=True), vocab_size)
 
 
 @dataclass
