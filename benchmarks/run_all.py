@@ -213,6 +213,10 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
                    weight_dtype=None),
         ServerSpec("pagedserve-gguf-ngram", pagedserve("float32", "--quantization", "gguf", "--speculative-config",
                                                        NGRAM_CONFIG), missing=lambda: None, weight_dtype=None),
+        # The layer-by-layer decode: what the fused decode step (engine.model.fused_decode) buys, in one run.
+        ServerSpec("pagedserve-gguf-unfused", lambda port, s: [
+            "env", "PAGEDSERVE_FUSED_DECODE=0", *pagedserve("float32", "--quantization", "gguf")(port, s)],
+                   missing=lambda: None, weight_dtype=None),
         # The dashboard's step records off: their cost is the ratio to pagedserve-bf16 in one run.
         ServerSpec("pagedserve-bf16-no-records", pagedserve("bfloat16", "--step-record-buffer-size", "0"),
                    missing=lambda: None, weight_dtype="bfloat16"),

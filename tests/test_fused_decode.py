@@ -1,10 +1,12 @@
 """The fused decode step (``engine.model.fused_decode``) against the layer-by-layer path it replaces.
 
-The fused call runs the same kernels' code with the same roundings, so its final
-hidden states and the keys and values it writes must equal the unfused path's
-bit for bit, in float32 and bfloat16, on every model it accepts; greedy
-generation must produce the same tokens. Where it does not apply it must do
-nothing, so the step runs layer by layer.
+On quantized models the fused call runs the same kernels' code with the same
+roundings, so its final hidden states and the keys and values it writes must
+equal the unfused path's bit for bit, in float32 and bfloat16, and greedy
+generation must produce the same tokens. On dense float32 models its products
+sum in another order than oneDNN's: it must agree to rounding (and
+tests/test_llm.py's greedy parity with transformers runs through it). Where it
+does not apply it must do nothing, so the step runs layer by layer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from benchmarks.quant_error import use_kernel
 from engine.llm import LLM
 from engine.model import fused_decode
-from engine.model.fused_decode import MAX_ROWS, FusedDecoder
+from engine.model.fused_decode import MAX_DENSE_ROWS, MAX_ROWS, FusedDecoder
 from engine.model.loader import load_hf_config, load_model, resolve_model_path
 from engine.sampling_params import SamplingParams
 from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
@@ -82,6 +84,34 @@ def test_fused_step_equals_the_layer_by_layer_step_bit_for_bit(tmp_path_factory,
             assert torch.equal(got, want), (context_lens, layer)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_dense_fused_step_agrees_with_the_layer_by_layer_step_to_rounding(tmp_path_factory, model_type) -> None:
+    """float32 hidden states and cache writes within 1e-5 relative (sums in another order than oneDNN's)."""
+    model = tiny_model(tmp_path_factory, model_type, torch.float32, None)
+    for context_lens in ([0], [5, 37, 100], [1, 16, 40, 130][:MAX_DENSE_ROWS]):
+        (expected, expected_caches), (hidden, caches) = both_paths(model, context_lens)
+        assert hidden is not None
+        torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+        for got, want in zip(caches, expected_caches, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dense_model_keeps_plain_weights_only_where_the_fused_decode_reads_them(tmp_path_factory) -> None:
+    """The plain copies beside oneDNN's packed weights cost the weights' memory again: the decoder's
+    projections keep them when the fused decode runs, the LM head never, a model it does not run (Qwen3,
+    dense bfloat16) none."""
+    llama = tiny_model(tmp_path_factory, "llama", torch.float32, None)
+    assert llama._fused_decoder is not None and not llama._fused_decoder.quantized
+    projections = [m for layer in llama.model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(m.plain_weight is not None for m in projections)
+    assert llama.lm_head.plain_weight is None
+    for model_type, dtype in (("qwen3", torch.float32), ("llama", torch.bfloat16)):
+        model = tiny_model(tmp_path_factory, model_type, dtype, None)
+        assert model._fused_decoder is None
+        assert all(getattr(m, "plain_weight", None) is None for m in model.modules())
+
+
 def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) -> None:
     model = tiny_model(tmp_path_factory, "llama", torch.float32, "int8")
     fused = FusedDecoder.build(model)
@@ -99,21 +129,23 @@ def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) 
     assert fused(input_ids, positions, kv_caches, metadata) is None
     use_kernel(model, True)
     assert fused(input_ids, positions, kv_caches, metadata) is not None
-    # More rows than the quantized kernel takes.
+    # More rows than the quantized kernel takes; for a dense model, more than it runs faster than oneDNN.
     assert fused(*random_step(model, [3] * (MAX_ROWS + 1))) is None
+    dense = tiny_model(tmp_path_factory, "llama", torch.float32, None)
+    assert dense._fused_decoder(*random_step(dense, [3] * (MAX_DENSE_ROWS + 1))) is None
     # The switch off.
     monkeypatch.setenv(fused_decode.ENV_FLAG, "0")
     assert FusedDecoder.build(model) is None
 
 
-@pytest.mark.parametrize(("model_type", "quantization", "reason"), [
-    ("llama", None, "every projection quantized"),
-    ("qwen3", "int8", "per-head query and key norms"),
+@pytest.mark.parametrize(("model_type", "dtype", "quantization", "reason"), [
+    ("qwen3", torch.float32, "int8", "per-head query and key norms"),
+    ("llama", torch.bfloat16, None, "dense weights in float32 only"),
 ])
-def test_models_it_does_not_run_say_why(tmp_path_factory, caplog, model_type, quantization, reason) -> None:
-    model = tiny_model(tmp_path_factory, model_type, torch.float32, quantization)
+def test_models_it_does_not_run_say_why(tmp_path_factory, caplog, model_type, dtype, quantization, reason) -> None:
     with caplog.at_level("INFO", logger=fused_decode.__name__):
-        assert FusedDecoder.build(model) is None
+        model = tiny_model(tmp_path_factory, model_type, dtype, quantization)
+    assert model._fused_decoder is None
     assert reason in caplog.text
 
 

@@ -7,12 +7,23 @@ between phases (see the C file), with the same kernels' code and the same
 roundings as the unfused path, so the result is the same (bit for bit up to a
 vectorised ``expf``'s last bit; ``tests/test_fused_decode.py``).
 
-It serves decode-only CPU steps of up to ``MAX_ROWS`` tokens of a Llama-family
-model (Llama, Mistral, Qwen2; not Qwen3's per-head norms) whose four projections
-of every layer are quantized (``QuantizedWeight``: ``--quantization gguf``,
-``int8``, ``int4``), in float32 or bfloat16, on one rank, with the CPU attention
-backend. Anything else, or ``PAGEDSERVE_FUSED_DECODE=0``, or no compiler: the
-model's ``decode_forward`` returns None and the step runs the layers one by one.
+It serves decode-only CPU steps of a Llama-family model (Llama, Mistral, Qwen2;
+not Qwen3's per-head norms) on one rank, with the CPU attention backend, whose
+four projections of every layer are either all quantized (``QuantizedWeight``:
+``--quantization gguf``, ``int8``, ``int4``; float32 or bfloat16 activations;
+steps of up to ``MAX_ROWS`` tokens) or all dense in float32 (no
+``--quantization``: steps of up to ``MAX_DENSE_ROWS`` tokens, beyond which
+oneDNN's blocked GEMM is faster). A dense model keeps a plain copy of each
+projection's weight beside oneDNN's packed one for this
+(``OneDNNPackedLinearMethod.plain_weight``): the projections' memory twice.
+Dense products sum in another order than oneDNN's, so dense results equal the
+unfused path's to rounding (about 1e-5 relative after 30 layers), quantized
+ones bit for bit. Dense bfloat16 stays layer by layer: rounded to bfloat16
+after sums in another order, greedy output parted from transformers' bfloat16
+(whose products are oneDNN's, as ours are) away from near-ties. Anything else,
+or ``PAGEDSERVE_FUSED_DECODE=0`` (set before loading: no plain copies then), or
+no compiler: the model's ``decode_forward`` returns None and the step runs the
+layers one by one.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import torch
 
 from engine.model.c_kernels import load_c_library
 from engine.model.cpu_attention import CpuAttentionBackend
+from engine.model.quant_kernels import CWeight
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
@@ -38,8 +50,14 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fused_decode.c"
 #: Set to 0 to run the decoder layers one by one (for comparisons and benchmarks).
 ENV_FLAG = "PAGEDSERVE_FUSED_DECODE"
-#: Tokens per step up to which the fused call runs: the quantized kernel's row limit (quant_kernels).
+#: Tokens per step up to which the fused call runs a quantized model: the quantized kernel's row limit.
 MAX_ROWS = 64
+#: ... and a dense float32 one. Its products (one FMA chain per row of x, a weight row read once per 4 rows)
+#: do not keep up with oneDNN's blocked GEMM for long: SmolLM2's forward, fused / layer by layer, measured
+#: 0.50-0.56x at 1 token, 0.74-0.87x at 4, 1.06x at 8, 1.41x at 16 (2-core dev machine, nothing else running).
+MAX_DENSE_ROWS = 4
+#: ``qweight_t.kind`` of a dense weight (``csrc/fused_decode.c``'s ``KIND_DENSE``).
+_KIND_DENSE = 2
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +73,7 @@ class _Model(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_int64) for name in (
         "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "bf16")), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
+        "bf16", "quantized")), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.POINTER(_Layer)),
         ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p), ("max_positions", ctypes.c_int64)]
 
 
@@ -94,23 +112,36 @@ class FusedDecoder:
         self._forward = lib.fused_decode_forward
         first = decoder.layers[0]
         attention = first.self_attn
+        self.quantized = getattr(first.mlp.down_proj, "qweight", None) is not None
+        self.max_rows = MAX_ROWS if self.quantized else MAX_DENSE_ROWS
+        self._dense_weights: list[CWeight] = []  # the C structures of dense weights, kept alive here
         layers = []
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            layers.append(_Layer(*(m.qweight.kernel_handle for m in modules),
+            layers.append(_Layer(*(self._weight_handle(m) for m in modules),
                                  *(_pointer(m.bias, self.dtype) for m in modules),
                                  _pointer(layer.input_layernorm.weight, self.dtype),
                                  _pointer(layer.post_attention_layernorm.weight, self.dtype), None, None))
         self._layers = (_Layer * len(layers))(*layers)
-        self._model = _Model(len(layers), first.input_layernorm.weight.shape[0],
-                             first.mlp.down_proj.qweight.in_features, attention.num_heads, attention.num_kv_heads,
-                             attention.head_dim, model.attn_backend.block_size, int(self.dtype == torch.bfloat16),
+        self._model = _Model(len(layers), first.input_layernorm.weight.shape[0], first.mlp.down_proj.input_size,
+                             attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                             model.attn_backend.block_size, int(self.dtype == torch.bfloat16), int(self.quantized),
                              first.input_layernorm.eps, attention.scale, self._layers,
                              _pointer(decoder.norm.weight, self.dtype),
                              _pointer(decoder.rotary_emb.cos_sin, self.dtype), decoder.rotary_emb.cos_sin.shape[0])
         self._handle = ctypes.addressof(self._model)
         self._bound_cache: int | None = None
+
+    def _weight_handle(self, module: torch.nn.Module) -> int:
+        """The address of the ``qweight_t`` of ``module``'s weight: its quantized one, else a dense one over its
+        plain weight (``[out, in]`` in the activations' dtype)."""
+        if (quantized := getattr(module, "qweight", None)) is not None:
+            return quantized.kernel_handle
+        weight = module.plain_weight
+        _pointer(weight, self.dtype)
+        self._dense_weights.append(CWeight(_KIND_DENSE, weight.shape[0], weight.shape[1], weight.data_ptr(), 0, 0))
+        return ctypes.addressof(self._dense_weights[-1])
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
@@ -141,11 +172,21 @@ class FusedDecoder:
             return "the fused decode has no per-head query and key norms (Qwen3)"
         if first.self_attn.qkv_proj.tp.size != 1:
             return "the fused decode runs on one tensor-parallel rank"
+        kinds = set()
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if any(getattr(m, "qweight", None) is None
-                   for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-                return "the fused decode needs every projection quantized (--quantization gguf, int8 or int4)"
+            for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if getattr(m, "qweight", None) is not None:
+                    kinds.add("quantized")
+                else:
+                    kinds.add("dense" if getattr(m, "plain_weight", None) is not None else "other")
+        if kinds not in ({"quantized"}, {"dense"}):
+            return ("the fused decode needs every projection quantized (--quantization gguf, int8 or int4) or "
+                    "every one dense and oneDNN-packed")
+        if kinds == {"dense"} and dtype != torch.float32:
+            # Its bf16 products would round unlike oneDNN's (which transformers' bf16 runs too), and greedy
+            # output then parts from transformers' away from near-ties (tests/test_llm.py's bf16 parity).
+            return "the fused decode multiplies dense weights in float32 only"
         return None
 
     def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -158,14 +199,15 @@ class FusedDecoder:
                  metadata: AttentionMetadata) -> torch.Tensor | None:
         """``[B, hidden_size]`` final hidden states of a decode-only step (``B = len(input_ids)``, one token per
         request), its keys and values written into ``kv_caches``; None (nothing done) when the step does not
-        qualify (more than ``MAX_ROWS`` tokens, a cache of another dtype or layout, shapes the kernels refuse),
+        qualify (more than ``max_rows`` tokens, a cache of another dtype or layout, shapes the kernels refuse),
         or while the quantized layers are set to dequantize instead of running their kernel (``use_kernel``).
 
         Args, as ``CausalLM.forward``; ``metadata`` is the runner's common ``AttentionMetadata``.
         """
         num_tokens = input_ids.shape[0]
         block_table, cache_tensor = metadata.block_table, kv_caches[0]
-        if (num_tokens > MAX_ROWS or not self._linear_method.use_kernel or cache_tensor.dtype != self.dtype
+        if (num_tokens > self.max_rows or (self.quantized and not self._linear_method.use_kernel)
+                or cache_tensor.dtype != self.dtype
                 or not cache_tensor.is_contiguous() or cache_tensor.shape[2] != self._model.block_size
                 or block_table.dtype != torch.int32 or block_table.stride(1) != 1
                 or metadata.seq_lens.dtype != torch.int32 or metadata.slot_mapping.dtype != torch.int64

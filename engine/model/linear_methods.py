@@ -78,13 +78,17 @@ class OneDNNPackedLinearMethod(UnquantizedLinearMethod):
     the same way (inductor's ``mkldnn_fusion`` pass). In bf16 the results are
     bit-identical to ``F.linear``; in fp32 the summation order differs
     (relative error about 1e-6). After ``process_weights_after_loading`` the
-    layer holds ``packed_weight`` and its plain weight is dropped, for good (the
-    module no longer lists it in ``parameters()`` or ``state_dict()``).
+    layer holds ``packed_weight``, and its plain weight only as
+    ``plain_weight`` (a tensor, no longer a parameter: the module does not list
+    it in ``parameters()`` or ``state_dict()``), for the fused CPU decode
+    (``engine.model.fused_decode``); ``release_plain_weights`` drops it where
+    nothing reads it.
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Replace ``layer.weight`` by ``layer.packed_weight``, its oneDNN-blocked copy."""
+        """Replace ``layer.weight`` by ``layer.packed_weight``, its oneDNN-blocked copy, and ``plain_weight``."""
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+        layer.plain_weight = layer.weight.detach()
         layer.weight = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -122,6 +126,14 @@ def padded_num_rows(num_rows: int) -> int:
         return num_rows
     step = 1 << (num_rows.bit_length() - 1 - BUCKET_BITS)
     return -(-num_rows // step) * step
+
+
+def release_plain_weights(model: nn.Module) -> None:
+    """Drop the plain copies ``OneDNNPackedLinearMethod`` keeps beside its packed weights (memory nothing reads
+    when the model runs no fused CPU decode on them)."""
+    for module in model.modules():
+        if getattr(module, "plain_weight", None) is not None:
+            module.plain_weight = None
 
 
 def _onednn_packs(device: torch.device, dtype: torch.dtype) -> bool:

@@ -34,14 +34,13 @@ from engine.model.attention import AttentionBackend, AttentionMetadata, get_atte
 from engine.model.fused_decode import FusedDecoder
 from engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.model.linear import QKVParallelLinear, RowParallelLinear
-from engine.model.linear_methods import LinearMethodBase
+from engine.model.linear_methods import LinearMethodBase, release_plain_weights
 from engine.model.parallel import TensorParallel
 from engine.model.registry import CausalLM
 from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
 logger = logging.getLogger(__name__)
-_NOT_BUILT = object()  # LlamaForCausalLM._fused_decoder before the first decode step
 
 
 @dataclass(frozen=True)
@@ -195,7 +194,7 @@ class LlamaForCausalLM(CausalLM):
         # A tied head shares the embedding's parameter, so it is loaded once, under the embedding's name.
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, linear_method=linear_method, tp=tp,
                                       tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
-        self._fused_decoder: FusedDecoder | None | object = _NOT_BUILT
+        self._fused_decoder: FusedDecoder | None = None  # built by after_loading where it applies
 
     @staticmethod
     def arch_flags(config: PretrainedConfig) -> ArchFlags:
@@ -209,11 +208,16 @@ class LlamaForCausalLM(CausalLM):
         """See ``CausalLM.forward``."""
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
+    def after_loading(self) -> None:
+        """See ``CausalLM.after_loading``: builds the fused CPU decode where it applies; the plain weight copies
+        it would read are dropped where it does not."""
+        self._fused_decoder = FusedDecoder.build(self)
+        dense = self._fused_decoder is not None and not self._fused_decoder.quantized
+        release_plain_weights(self.lm_head if dense else self)
+
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                        attn_metadata: AttentionMetadata) -> torch.Tensor | None:
         """See ``CausalLM.decode_forward``: every layer in one native call on the CPU (``fused_decode``)."""
-        if self._fused_decoder is _NOT_BUILT:  # weights are loaded and processed by the first step
-            self._fused_decoder = FusedDecoder.build(self)
         if self._fused_decoder is None:
             return None
         return self._fused_decoder(input_ids, positions, kv_caches, attn_metadata)

@@ -318,6 +318,7 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
                             unit="tensor"))
     model.eval()
     _process_weights_after_loading(model)
+    model.after_loading()
     logger.info("loaded %s (%s): %.1f MiB of weights, %s on %s%s in %.1f s", source.display_name,
                 type(model).__name__, weight_bytes(model) / 2**20, dtype, device,
                 f", quantization {quantization}" if quantization else "", time.perf_counter() - start)
@@ -325,13 +326,14 @@ def load_model(source: ModelSource, hf_config: PretrainedConfig, dtype: torch.dt
 
 
 def weight_bytes(model: CausalLM) -> int:
-    """Bytes of the weights a forward pass reads: parameters, oneDNN-packed copies and quantized weights,
-    each counted once (a tied head's packed copy counts: it is read apart from the embedding table)."""
+    """Bytes of the weights held: parameters, oneDNN-packed copies (and the plain ones the fused CPU decode
+    keeps beside them) and quantized weights, each counted once (a tied head's packed copy counts: it is read
+    apart from the embedding table)."""
     seen: set[int] = set()
     total = 0
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))
-        tensors += [getattr(module, name, None) for name in ("packed_weight", "qweight")]
+        tensors += [getattr(module, name, None) for name in ("packed_weight", "plain_weight", "qweight")]
         for tensor in tensors:
             if tensor is None or id(tensor) in seen:
                 continue

@@ -123,10 +123,10 @@ class QuantizedWeight:
                              f"got [{self.out_features}, {self.in_features}]")
 
     @cached_property
-    def _c_weight(self) -> _CWeight:
+    def _c_weight(self) -> CWeight:
         if not self.data.is_cpu:
             raise ValueError(f"the CPU kernel cannot read a weight on {self.data.device}")
-        return _CWeight(_KIND_CODES[self.kind], self.out_features, self.in_features, self.data.data_ptr(),
+        return CWeight(_KIND_CODES[self.kind], self.out_features, self.in_features, self.data.data_ptr(),
                         self.scales.data_ptr(), 0 if self.mins is None else self.mins.data_ptr())
 
     @cached_property
@@ -332,8 +332,8 @@ def kernel_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor |
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
-class _CWeight(ctypes.Structure):
-    """``qweight_t`` in ``csrc/quant_gemv.c``."""
+class CWeight(ctypes.Structure):
+    """``qweight_t`` in ``csrc/quant_gemv.c`` (``csrc/fused_decode.c`` reads a dense weight through it too)."""
 
     _fields_ = [("kind", ctypes.c_int64), ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
                 ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p)]

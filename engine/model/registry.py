@@ -67,6 +67,9 @@ class CausalLM(nn.Module, ABC):
             ``[T, hidden_size]`` final hidden states (after the last norm).
         """
 
+    def after_loading(self) -> None:  # noqa: B027 (optional hook)
+        """Called once by the loader after every layer processed its loaded weights (default: nothing)."""
+
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                        attn_metadata: AttentionMetadata) -> torch.Tensor | None:
         """``forward`` for a decode-only step (one token per request) by a faster path, or None (nothing done)

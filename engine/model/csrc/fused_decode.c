@@ -27,9 +27,13 @@
  * result is the unfused path's: bit for bit in float32 and bfloat16 except
  * where the compiler vectorises an expf differently (a last-bit difference).
  *
- * Weights are quantized (quant_gemv.c's packed q4/q8); activations, the norms'
- * weights, biases, the rotary table and the KV cache are all float32 or all
- * bfloat16 (`bf16`). Layouts:
+ * Weights are either all quantized (quant_gemv.c's packed q4/q8, activations
+ * quantized per 32-block before each product) or all dense (KIND_DENSE: a
+ * plain [out, in] matrix in the activations' dtype, multiplied in
+ * dense_linear_rows below; the unfused path's oneDNN GEMM sums in another
+ * order, so dense results equal it to rounding, not bit for bit).
+ * Activations, dense weights, the norms' weights, biases, the rotary table
+ * and the KV cache are all float32 or all bfloat16 (`bf16`). Layouts:
  *   hidden       [B, hidden_size]: in, the token embeddings; out, the final hidden states
  *   positions    [B] int64;  slots [B] int64 cache slot of each token
  *   block_table  [B, block_table_stride] int32;  seq_lens [B] int32 (keys to attend, this token included)
@@ -49,6 +53,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, block_size, bf16;
+    int64_t quantized; /* the projections are q4/q8, else KIND_DENSE */
     float eps, scale;
     const fused_layer_t *layers;
     const void *final_norm; /* [hidden_size] */
@@ -56,18 +61,78 @@ typedef struct {
     int64_t max_positions; /* rows of cos_sin */
 } fused_model_t;
 
-#ifdef FUSED_DEBUG
-char dbg_attn[1 << 20], dbg_x[1 << 20], dbg_act[1 << 20];
-#endif
-#define ACT_SPAN 8 /* blocks of 32 features per task of phase 7 */
+#define ACT_SPAN 8   /* blocks of 32 features per task of phase 7 */
+#define KIND_DENSE 2 /* a qweight_t whose data is a plain [out, in] matrix in the activations' dtype */
+#define DENSE_ROWS 4 /* rows of x sharing each pass over a dense weight row */
 
-/* y [M, out_features] = x W^T (+ bias), x already quantized in `a`; the calling team splits the tiles. */
+/* Output features [n0, n1) of y [M, N] = x [M, K] W^T (+ bias) for a dense W [N, K], x, W, y and bias in the
+ * activations' dtype, sums in fp32 (bf16 pairs by vdpbf16ps where the CPU has it, as oneDNN does). */
+static inline __attribute__((always_inline)) void dense_linear_rows(const qweight_t *w, const void *x, int64_t M,
+                                                                    int64_t n0, int64_t n1, const void *bias,
+                                                                    void *y, int bf16) {
+    const int64_t K = w->in_features, N = w->out_features;
+    for (int64_t n = n0; n < n1; n++) {
+        const char *wn = (const char *)w->data + ESIZE(bf16) * n * K;
+        const float b = bias ? LOAD(bias, n, bf16) : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += DENSE_ROWS) {
+            const int64_t mt = M - m0 < DENSE_ROWS ? M - m0 : DENSE_ROWS;
+            float sums[DENSE_ROWS];
+#if defined(__AVX512F__)
+            __m512 acc[DENSE_ROWS];
+            for (int64_t j = 0; j < mt; j++) acc[j] = _mm512_setzero_ps();
+            if (bf16) {
+                for (int64_t k = 0; k < K; k += 32) {
+                    const __m512i wv = _mm512_loadu_si512(wn + 2 * k);
+                    for (int64_t j = 0; j < mt; j++) {
+                        const __m512i xv = _mm512_loadu_si512((const uint16_t *)x + (m0 + j) * K + k);
+#if defined(__AVX512BF16__)
+                        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)xv, (__m512bh)wv);
+#else /* widen each bf16 half to fp32: the upper 16 bits of a float */
+                        const __m512i mask = _mm512_set1_epi32((int)0xffff0000);
+                        acc[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(xv, 16)),
+                                                 _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), acc[j]);
+                        acc[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(xv, mask)),
+                                                 _mm512_castsi512_ps(_mm512_and_si512(wv, mask)), acc[j]);
+#endif
+                    }
+                }
+            } else {
+                for (int64_t k = 0; k < K; k += 16) {
+                    const __m512 wv = _mm512_loadu_ps((const float *)wn + k);
+                    for (int64_t j = 0; j < mt; j++)
+                        acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)x + (m0 + j) * K + k), wv, acc[j]);
+                }
+            }
+            for (int64_t j = 0; j < mt; j++) sums[j] = _mm512_reduce_add_ps(acc[j]);
+#else
+            for (int64_t j = 0; j < mt; j++) {
+                const char *xj = (const char *)x + ESIZE(bf16) * (m0 + j) * K;
+                float sum = 0.0f;
+                for (int64_t k = 0; k < K; k++) sum += LOAD(xj, k, bf16) * LOAD(wn, k, bf16);
+                sums[j] = sum;
+            }
+#endif
+            for (int64_t j = 0; j < mt; j++) STORE(y, (m0 + j) * N + n, sums[j] + b, bf16);
+        }
+    }
+}
+
+/* y [M, out_features] = x W^T (+ bias); the calling team splits the output features in tiles of 16. A
+ * quantized W reads x quantized in `a`, a dense one x itself. */
 static inline __attribute__((always_inline)) void team_linear(int isa, const qweight_t *w, const acts_t *a,
-                                                              int64_t M, const void *bias, void *y, int bf16) {
-    const weight_t tiles = tiles_of(w);
+                                                              const void *x, int64_t M, const void *bias, void *y,
+                                                              int bf16) {
     const int64_t N = w->out_features, num_tiles = (N + ROWS - 1) / ROWS;
+    if (w->kind == KIND_DENSE) {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_tiles; t++) gemm_tile(isa, (int)w->kind, &tiles, a, M, N, t, bias, bf16, y, bf16);
+        for (int64_t t = 0; t < num_tiles; t++)
+            dense_linear_rows(w, x, M, t * ROWS, (t + 1) * ROWS < N ? (t + 1) * ROWS : N, bias, y, bf16);
+    } else {
+        const weight_t tiles = tiles_of(w);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++)
+            gemm_tile(isa, (int)w->kind, &tiles, a, M, N, t, bias, bf16, y, bf16);
+    }
 }
 
 /* Phase 3 for request r and kv head h: its query heads and key rotated in place in the qkv row, its key and
@@ -95,7 +160,7 @@ static inline __attribute__((always_inline)) void attention_task(const fused_mod
                 m->num_heads, m->num_kv_heads, head_dim, m->block_size, m->scale, h, h + 1);
     char *dst = attn + es * r * nq;
     for (int64_t i = first; i < last; i++) STORE(dst, i, out[i], bf16);
-    quantize_blocks(dst, bf16, r, nq, first / QK, last / QK, a);
+    if (m->quantized) quantize_blocks(dst, bf16, r, nq, first / QK, last / QK, a);
 }
 
 static inline __attribute__((always_inline)) void forward(const fused_model_t *m, char *hidden, int64_t B,
@@ -121,35 +186,31 @@ static inline __attribute__((always_inline)) void forward(const fused_model_t *m
             } else {
                 rms_norm(xr, H, res, H, layer->input_norm, xr, H, 1, H, m->eps, bf16);
             }
-            quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
+            if (m->quantized) quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
         }
-        team_linear(isa, layer->qkv, a, B, layer->qkv_bias, qkv, bf16);
+        team_linear(isa, layer->qkv, a, x, B, layer->qkv_bias, qkv, bf16);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < attention_tasks; task++) {
             attention_task(m, layer, qkv, attn, a, task / m->num_kv_heads, task % m->num_kv_heads, positions, slots,
                            block_table, block_table_stride, seq_lens, attend_task, bf16);
         }
-        team_linear(isa, layer->o, a, B, layer->o_bias, x, bf16);
+        team_linear(isa, layer->o, a, attn, B, layer->o_bias, x, bf16);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < B; r++) {
             char *xr = x + es * r * H;
             rms_norm(xr, H, residual + es * r * H, H, layer->post_norm, xr, H, 1, H, m->eps, bf16);
-            quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
+            if (m->quantized) quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
         }
-        team_linear(isa, layer->gate_up, a, B, layer->gate_up_bias, gate_up, bf16);
+        team_linear(isa, layer->gate_up, a, x, B, layer->gate_up_bias, gate_up, bf16);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * spans; task++) {
             const int64_t r = task / spans, b0 = task % spans * ACT_SPAN;
             const int64_t b1 = b0 + ACT_SPAN < I / QK ? b0 + ACT_SPAN : I / QK;
             const char *gate = gate_up + es * (r * 2 * I + b0 * QK);
             silu_mul_span(gate, gate + es * I, act + es * (r * I + b0 * QK), (b1 - b0) * QK, bf16);
-            quantize_blocks(act + es * r * I, bf16, r, I, b0, b1, a);
+            if (m->quantized) quantize_blocks(act + es * r * I, bf16, r, I, b0, b1, a);
         }
-#ifdef FUSED_DEBUG
-#pragma omp single
-        { memcpy(dbg_attn, attn, es * B * nq); memcpy(dbg_x, gate_up, es * B * 2 * I); memcpy(dbg_act, act, es * B * I); }
-#endif
-        team_linear(isa, layer->down, a, B, layer->down_bias, x, bf16);
+        team_linear(isa, layer->down, a, act, B, layer->down_bias, x, bf16);
         if (l == m->num_layers - 1) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < B; r++)
