@@ -189,7 +189,7 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
             *(["env", f"LD_PRELOAD={preload}"] if preload else []), llama_server_binary() or "llama-server",
             "-m", str(model()), "--host", HOST, "--port", str(port),
             "-np", str(s.concurrency), "-c", str((s.input_len[1] + s.output_len + CTX_SLACK) * s.concurrency),
-            "-t", cores, "-tb", cores, "--cont-batching"]
+            "-t", cores, "-tb", cores, "--cont-batching", "-lv", "4"]  # -lv 4: the log states ubatch, flash attn
 
     def no_llama_server() -> str | None:
         return None if llama_server_binary() else "binary not found (see benchmarks/baselines/README.md)"
