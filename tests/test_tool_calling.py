@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sampling_params import StructuredOutputsParams
+from server.errors import OpenAIError
 from server.protocol import ChatCompletionRequest, conversation
 from server.tool_calling import HermesToolParser, ToolParser, parse_reply, plan_tools, tool_parser_class
 from server.tool_calling.output import StreamedReply
@@ -281,6 +282,16 @@ def test_a_template_that_shows_tools_in_another_format_gets_the_parsed_format_s_
     Tokenizer.chat_template += "{{ '<tool_call>' }}"  # a hermes template shows its tools itself
     messages, tools = render_inputs(request.messages, plan, HermesToolParser, Tokenizer())
     assert tools is not None and messages == conversation(request.messages)
+
+
+def test_tools_without_a_grammar_engine_are_a_400_naming_tools() -> None:
+    """An engine built without a grammar compiler (a library setup) cannot hold tool calls to their grammar:
+    a 400 naming ``tools``, not a 500 from the missing compiler."""
+    request = ChatCompletionRequest(messages=ASK, tools=TOOLS)
+    with pytest.raises(OpenAIError) as refused:
+        asyncio.run(plan_tools(request, None, None, None))
+    assert refused.value.status_code == 400 and refused.value.param == "tools"
+    assert asyncio.run(plan_tools(ChatCompletionRequest(messages=ASK), None, None, None)) is None
 
 
 def test_a_bad_answer_schema_with_tools_is_blamed_on_response_format(client: httpx.Client) -> None:

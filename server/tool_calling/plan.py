@@ -77,21 +77,22 @@ class ToolPlan:
 
 
 async def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structured: StructuredOutputsParams | None,
-                     structured_param: str | None, grammars: GrammarCompiler) -> ToolPlan | None:
+                     structured_param: str | None, grammars: GrammarCompiler | None) -> ToolPlan | None:
     """The request's ``ToolPlan``; None without ``tools``.
 
     Args:
         request: the chat request (or a ``/tokenize`` of its messages).
         structured: its structured-output constraint (``request.structured_output()``), if any.
         structured_param: the field that set it, for errors.
-        grammars: checks the tools' parameters (and the answer schema) as the tool grammar will hold them.
+        grammars: checks the tools' parameters (and the answer schema) as the tool grammar will hold them;
+            None where the engine has no grammar engine (a library setup): then ``tools`` are refused.
 
     Raises:
         OpenAIError: 400 naming the field: ``tool_choice`` without ``tools``, an empty ``tools``, a bad
             or repeated function name, parameters that are not a JSON schema of an object (or one the
             grammar engine cannot enforce, nested too deep, asking for its own JSON whitespace), schemas over
             the grammar limits together (``tools``), a named tool that is not in ``tools``, or a
-            structured-output constraint that cannot go with ``tool_choice``.
+            structured-output constraint that cannot go with ``tool_choice``, or no grammar engine.
     """
     if request.tools is None:
         if request.tool_choice is not None:
@@ -99,6 +100,8 @@ async def plan_tools(request: ChatCompletionRequest | TokenizeRequest, structure
         return None
     if not request.tools:
         raise bad_request("'tools' must hold at least one tool; leave it out for none", "tools")
+    if grammars is None:  # tool calls are held to their grammar
+        raise bad_request("tool calling is not available in this engine (it has no grammar engine)", "tools")
     tools = tuple(_tool(tool, index) for index, tool in enumerate(request.tools))
     names = [tool.name for tool in tools]
     for index, name in enumerate(names):
