@@ -27,13 +27,17 @@ from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
-#: head_dim 32: the fused call quantizes each head's output by 32-blocks.
+#: head_dim 32 (the fused call quantizes each head's output by 32-blocks; attention's generic head_dim code).
 TINY_SIZES = dict(hidden_size=128, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+#: SmolLM2's shapes in small: head_dim 64 (attention's specialised code), 4 query heads a kv head, an
+#: intermediate size of 17 blocks (3 activation spans, the last partial).
+SMALL_SIZES = dict(hidden_size=256, intermediate_size=544, num_attention_heads=4, num_key_value_heads=1)
 
 
-def tiny_model(tmp_path_factory, model_type: str, dtype: torch.dtype, quantization: str | None):
+def tiny_model(tmp_path_factory, model_type: str, dtype: torch.dtype, quantization: str | None,
+               sizes: dict = TINY_SIZES):
     folder = tmp_path_factory.mktemp(model_type)
-    tiny_hf_model(model_type, folder, tie_word_embeddings=False, **TINY_SIZES)
+    tiny_hf_model(model_type, folder, tie_word_embeddings=False, **sizes)
     source = resolve_model_path(str(folder))
     return load_model(source, load_hf_config(source), dtype, CPU, attn_backend="cpu", block_size=BLOCK_SIZE,
                       quantization=quantization)
@@ -70,12 +74,14 @@ def both_paths(model, context_lens: list[int]):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("model_type", "quantization"), [("llama", "int8"), ("qwen2", "int4"), ("mistral", "int8")])
-def test_fused_step_equals_the_layer_by_layer_step_bit_for_bit(tmp_path_factory, model_type, quantization,
+@pytest.mark.parametrize(("model_type", "quantization", "sizes"), [
+    ("llama", "int8", TINY_SIZES), ("qwen2", "int4", TINY_SIZES), ("mistral", "int8", TINY_SIZES),
+    ("llama", "int4", SMALL_SIZES)])
+def test_fused_step_equals_the_layer_by_layer_step_bit_for_bit(tmp_path_factory, model_type, quantization, sizes,
                                                                dtype) -> None:
     """Batches of 1, 3 and 9 requests with contexts inside one block, across blocks, and over 100 tokens
     (qwen2: biases on q, k and v)."""
-    model = tiny_model(tmp_path_factory, model_type, dtype, quantization)
+    model = tiny_model(tmp_path_factory, model_type, dtype, quantization, sizes)
     for context_lens in ([0], [5, 37, 100], [1, 2, 15, 16, 17, 40, 63, 64, 130]):
         (expected, expected_caches), (hidden, caches) = both_paths(model, context_lens)
         assert hidden is not None
@@ -170,8 +176,17 @@ def test_smollm2_gguf_greedy_tokens_are_the_same_fused_or_not(gguf_llm) -> None:
     def generate() -> list[list[int]]:
         return [list(o.outputs[0].token_ids) for o in gguf_llm.generate(prompts, params, use_tqdm=False)]
 
+    fused = model._fused_decoder
+    assert fused is not None
     model._fused_decoder = None
     expected = generate()
-    model._fused_decoder = FusedDecoder.build(model)
-    assert model._fused_decoder is not None
-    assert generate() == expected
+    model._fused_decoder = fused
+    statuses = []  # every call the runner made into the fused kernel, and what it returned
+    kernel = fused._forward
+    fused._forward = lambda *args: statuses.append(kernel(*args)) or statuses[-1]
+    try:
+        assert generate() == expected
+    finally:
+        fused._forward = kernel
+    # Every decode step: 39 of the longest request (its first token comes from the prefill).
+    assert len(statuses) == 39 and set(statuses) == {0}

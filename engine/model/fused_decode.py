@@ -39,7 +39,7 @@ import torch
 
 from engine.model.c_kernels import load_c_library
 from engine.model.cpu_attention import CpuAttentionBackend
-from engine.model.quant_kernels import CWeight
+from engine.model.quant_kernels import KERNEL_MAX_ROWS, CWeight
 
 if TYPE_CHECKING:
     from engine.model.attention import AttentionMetadata
@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "fused_decode.c"
 #: Set to 0 to run the decoder layers one by one (for comparisons and benchmarks).
 ENV_FLAG = "PAGEDSERVE_FUSED_DECODE"
-#: Tokens per step up to which the fused call runs a quantized model: the quantized kernel's row limit.
-MAX_ROWS = 64
+#: Tokens per step up to which the fused call runs a quantized model: the quantized kernel's row limit (the
+#: unfused path multiplies more rows another way, so the two would no longer agree bit for bit).
+MAX_ROWS = KERNEL_MAX_ROWS
 #: ... and a dense float32 one. Its products (one FMA chain per row of x, a weight row read once per 4 rows)
 #: do not keep up with oneDNN's blocked GEMM for long: SmolLM2's forward, fused / layer by layer, measured
 #: 0.50-0.56x at 1 token, 0.74-0.87x at 4, 1.06x at 8, 1.41x at 16 (2-core dev machine, nothing else running).
@@ -131,7 +132,7 @@ class FusedDecoder:
                              _pointer(decoder.norm.weight, self.dtype),
                              _pointer(decoder.rotary_emb.cos_sin, self.dtype), decoder.rotary_emb.cos_sin.shape[0])
         self._handle = ctypes.addressof(self._model)
-        self._bound_cache: int | None = None
+        self._bound_caches: tuple[list[torch.Tensor], list[int]] | None = None  # the list and its addresses
 
     def _weight_handle(self, module: torch.nn.Module) -> int:
         """The address of the ``qweight_t`` of ``module``'s weight: its quantized one, else a dense one over its
@@ -168,8 +169,18 @@ class FusedDecoder:
         if not isinstance(model.attn_backend, CpuAttentionBackend):
             return "the fused decode runs with the CPU attention backend"
         first = decoder.layers[0]
-        if first.self_attn.qk_norm is not None:
+        attention = first.self_attn
+        if attention.qk_norm is not None:
             return "the fused decode has no per-head query and key norms (Qwen3)"
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        group = heads // kv_heads
+        hidden, intermediate = first.input_layernorm.weight.shape[0], first.mlp.down_proj.input_size
+        # csrc/paged_decode_attention.c's buffers, and 32-blocks of every product's input (quant_gemv.c).
+        if (heads % kv_heads or group > 16 or head_dim > 256 or heads > 128 or heads * head_dim > 8192
+                or model.attn_backend.block_size > 128 or head_dim % 32 or hidden % 32 or intermediate % 32
+                or decoder.rotary_emb.cos_sin.shape[1] != head_dim):
+            return (f"the fused decode does not hold these shapes ({heads} heads, {kv_heads} kv heads, head_dim "
+                    f"{head_dim}, hidden {hidden}, intermediate {intermediate})")
         if first.self_attn.qkv_proj.tp.size != 1:
             return "the fused decode runs on one tensor-parallel rank"
         kinds = set()
@@ -179,7 +190,7 @@ class FusedDecoder:
                 if getattr(m, "qweight", None) is not None:
                     kinds.add("quantized")
                 else:
-                    kinds.add("dense" if getattr(m, "plain_weight", None) is not None else "other")
+                    kinds.add("dense" if getattr(m, "packed_weight", None) is not None else "other")
         if kinds not in ({"quantized"}, {"dense"}):
             return ("the fused decode needs every projection quantized (--quantization gguf, int8 or int4) or "
                     "every one dense and oneDNN-packed")
@@ -187,13 +198,25 @@ class FusedDecoder:
             # Its bf16 products would round unlike oneDNN's (which transformers' bf16 runs too), and greedy
             # output then parts from transformers' away from near-ties (tests/test_llm.py's bf16 parity).
             return "the fused decode multiplies dense weights in float32 only"
+        if kinds == {"dense"} and any(getattr(m, "plain_weight", None) is None for m in decoder.modules()
+                                      if getattr(m, "packed_weight", None) is not None):
+            return "the plain weight copies the fused decode reads were dropped (release_plain_weights)"
         return None
 
-    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Point every layer at its ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache."""
+    def _bind_caches(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Point every layer at its ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache; False (none
+        bound) when one is not such a contiguous tensor of the activations' dtype."""
+        model = self._model
+        shape = (model.block_size, model.num_kv_heads, model.head_dim)
+        if len(kv_caches) != len(self._layers) or any(
+                t.dtype != self.dtype or not t.is_cpu or not t.is_contiguous() or t.dim() != 5 or t.shape[0] != 2
+                or tuple(t.shape[2:]) != shape for t in kv_caches):
+            self._bound_caches = None
+            return False
         for layer, cache_tensor in zip(self._layers, kv_caches, strict=True):
             layer.key_cache, layer.value_cache = cache_tensor[0].data_ptr(), cache_tensor[1].data_ptr()
-        self._bound_cache = kv_caches[0].data_ptr()
+        self._bound_caches = (kv_caches, [t.data_ptr() for t in kv_caches])
+        return True
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                  metadata: AttentionMetadata) -> torch.Tensor | None:
@@ -205,18 +228,20 @@ class FusedDecoder:
         Args, as ``CausalLM.forward``; ``metadata`` is the runner's common ``AttentionMetadata``.
         """
         num_tokens = input_ids.shape[0]
-        block_table, cache_tensor = metadata.block_table, kv_caches[0]
+        block_table, slots, seq_lens = metadata.block_table, metadata.slot_mapping, metadata.seq_lens
         if (num_tokens > self.max_rows or (self.quantized and not self._linear_method.use_kernel)
-                or cache_tensor.dtype != self.dtype
-                or not cache_tensor.is_contiguous() or cache_tensor.shape[2] != self._model.block_size
+                or metadata.max_query_len != 1 or seq_lens.shape[0] != num_tokens or block_table.shape[0] != num_tokens
                 or block_table.dtype != torch.int32 or block_table.stride(1) != 1
-                or metadata.seq_lens.dtype != torch.int32 or metadata.slot_mapping.dtype != torch.int64
-                or positions.dtype != torch.int64):
+                or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous()
+                or slots.dtype != torch.int64 or not slots.is_contiguous()
+                or positions.dtype != torch.int64 or not positions.is_contiguous()):
             return None
-        if cache_tensor.data_ptr() != self._bound_cache:
-            self._bind_caches(kv_caches)
+        # The runner hands the same list every step; a new list, or its first tensor moved, binds again.
+        bound = self._bound_caches
+        if (bound is None or bound[0] is not kv_caches or bound[1][0] != kv_caches[0].data_ptr()) and \
+                not self._bind_caches(kv_caches):
+            return None
         hidden = self.embed(input_ids)
-        status = self._forward(self._handle, hidden.data_ptr(), num_tokens, positions.data_ptr(),
-                               metadata.slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                               metadata.seq_lens.data_ptr())
+        status = self._forward(self._handle, hidden.data_ptr(), num_tokens, positions.data_ptr(), slots.data_ptr(),
+                               block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr())
         return hidden if status == 0 else None

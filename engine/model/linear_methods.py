@@ -78,17 +78,18 @@ class OneDNNPackedLinearMethod(UnquantizedLinearMethod):
     the same way (inductor's ``mkldnn_fusion`` pass). In bf16 the results are
     bit-identical to ``F.linear``; in fp32 the summation order differs
     (relative error about 1e-6). After ``process_weights_after_loading`` the
-    layer holds ``packed_weight``, and its plain weight only as
+    layer holds ``packed_weight``, and a float32 one its plain weight too, as
     ``plain_weight`` (a tensor, no longer a parameter: the module does not list
     it in ``parameters()`` or ``state_dict()``), for the fused CPU decode
-    (``engine.model.fused_decode``); ``release_plain_weights`` drops it where
-    nothing reads it.
+    (``engine.model.fused_decode``, which multiplies dense weights in float32
+    only); ``release_plain_weights`` drops it where nothing reads it.
     """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Replace ``layer.weight`` by ``layer.packed_weight``, its oneDNN-blocked copy, and ``plain_weight``."""
+        """Replace ``layer.weight`` by ``layer.packed_weight``, its oneDNN-blocked copy (and, float32,
+        ``plain_weight``)."""
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-        layer.plain_weight = layer.weight.detach()
+        layer.plain_weight = layer.weight.detach() if layer.weight.dtype == torch.float32 else None
         layer.weight = None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

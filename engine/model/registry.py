@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from engine.model.attention import AttentionBackend, AttentionMetadata
+from engine.model.linear_methods import release_plain_weights
 
 # architecture name -> "module:class"
 _ARCHITECTURES: dict[str, str] = {
@@ -67,8 +68,11 @@ class CausalLM(nn.Module, ABC):
             ``[T, hidden_size]`` final hidden states (after the last norm).
         """
 
-    def after_loading(self) -> None:  # noqa: B027 (optional hook)
-        """Called once by the loader after every layer processed its loaded weights (default: nothing)."""
+    def after_loading(self) -> None:
+        """Called once by the loader after every layer processed its loaded weights. By default it drops the
+        plain weight copies a layer may keep for a fused decode path (``release_plain_weights``): a model
+        whose path reads them overrides this."""
+        release_plain_weights(self)
 
     def decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                        attn_metadata: AttentionMetadata) -> torch.Tensor | None:

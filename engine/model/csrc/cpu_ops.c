@@ -16,6 +16,7 @@
  * than the work.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define PARALLEL_ROWS 64
@@ -40,9 +41,11 @@ static inline uint16_t f32_to_bf16(float f) {
         else ((float *)(p))[i] = (x);                               \
     } while (0)
 
-/* Not inlined into their callers: the fused decode (fused_decode.c) includes this file and calls these, and
- * with the same compiled code in both places (no caller-specific vectorisation of their sums and expf) the
- * fused and unfused paths agree bit for bit. */
+/* The one-row functions (rms_norm_row, rotary_row, silu_mul_span) are not inlined into their callers: the
+ * fused decode (fused_decode.c) includes this file and calls them inside its own parallel region (not the
+ * entry points, whose pragmas would open a nested region per call), and with the same compiled code in both
+ * places (no caller-specific vectorisation of their sums and expf) the fused and unfused paths agree bit for
+ * bit. */
 #define NOINLINE __attribute__((noinline))
 
 /* A row's element type size in bytes. */
@@ -55,35 +58,40 @@ static inline uint16_t f32_to_bf16(float f) {
  * As transformers' LlamaRMSNorm: the sum is rounded to the dtype, the statistics are fp32, the normalised
  * value is rounded to the dtype before the weight multiplies it.
  */
-NOINLINE static void rms_norm(void *x, int64_t x_stride, void *residual, int64_t residual_stride, const void *weight,
-                     void *out, int64_t out_stride, int64_t rows, int64_t width, float eps, int bf16) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *src = (const char *)x + r * x_stride * ESIZE(bf16);
-        char *dst = (char *)out + r * out_stride * ESIZE(bf16);
-        double sum_sq = 0.0;
-        if (residual) {
-            char *res = (char *)residual + r * residual_stride * ESIZE(bf16);
-            for (int64_t i = 0; i < width; i++) {
-                STORE(res, i, LOAD(src, i, bf16) + LOAD(res, i, bf16), bf16);
-                const float v = LOAD(res, i, bf16); /* the rounded sum, as torch normalises it */
-                sum_sq += (double)v * v;
-            }
-            src = res;
-        } else {
-#pragma omp simd reduction(+ : sum_sq)
-            for (int64_t i = 0; i < width; i++) {
-                const float v = LOAD(src, i, bf16);
-                sum_sq += (double)v * v;
-            }
-        }
-        const float inv_rms = 1.0f / sqrtf((float)(sum_sq / (double)width) + eps);
+NOINLINE static void rms_norm_row(void *x, void *residual, const void *weight, void *out, int64_t width, float eps,
+                                  int bf16) {
+    const char *src = (const char *)x;
+    double sum_sq = 0.0;
+    if (residual) {
+        char *res = (char *)residual;
         for (int64_t i = 0; i < width; i++) {
-            float normed = LOAD(src, i, bf16) * inv_rms;
-            if (bf16) normed = bf16_to_f32(f32_to_bf16(normed));
-            STORE(dst, i, LOAD(weight, i, bf16) * normed, bf16);
+            STORE(res, i, LOAD(src, i, bf16) + LOAD(res, i, bf16), bf16);
+            const float v = LOAD(res, i, bf16); /* the rounded sum, as torch normalises it */
+            sum_sq += (double)v * v;
+        }
+        src = res;
+    } else {
+#pragma omp simd reduction(+ : sum_sq)
+        for (int64_t i = 0; i < width; i++) {
+            const float v = LOAD(src, i, bf16);
+            sum_sq += (double)v * v;
         }
     }
+    const float inv_rms = 1.0f / sqrtf((float)(sum_sq / (double)width) + eps);
+    for (int64_t i = 0; i < width; i++) {
+        float normed = LOAD(src, i, bf16) * inv_rms;
+        if (bf16) normed = bf16_to_f32(f32_to_bf16(normed));
+        STORE(out, i, LOAD(weight, i, bf16) * normed, bf16);
+    }
+}
+
+static void rms_norm(void *x, int64_t x_stride, void *residual, int64_t residual_stride, const void *weight,
+                     void *out, int64_t out_stride, int64_t rows, int64_t width, float eps, int bf16) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row((char *)x + r * x_stride * ESIZE(bf16),
+                     residual ? (char *)residual + r * residual_stride * ESIZE(bf16) : NULL, weight,
+                     (char *)out + r * out_stride * ESIZE(bf16), width, eps, bf16);
 }
 
 void rms_norm_f32(void *x, int64_t xs, void *res, int64_t rs, const void *w, void *out, int64_t os, int64_t rows,
@@ -102,24 +110,26 @@ void rms_norm_bf16(void *x, int64_t xs, void *res, int64_t rs, const void *w, vo
  * x: [rows, heads, head_dim], heads contiguous within a row, rows x_stride elements apart.
  * cos, sin: [rows, head_dim / 2], rows cs_stride elements apart.
  */
-NOINLINE static void rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
-                   int64_t heads, int64_t head_dim, int bf16) {
+NOINLINE static void rotary_row(void *x, const void *cos, const void *sin, int64_t heads, int64_t head_dim,
+                                int bf16) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for if (rows >= PARALLEL_ROWS)
-    for (int64_t r = 0; r < rows; r++) {
-        char *xr = (char *)x + r * x_stride * ESIZE(bf16);
-        const char *cr = (const char *)cos + r * cs_stride * ESIZE(bf16);
-        const char *sr = (const char *)sin + r * cs_stride * ESIZE(bf16);
-        for (int64_t h = 0; h < heads; h++) {
-            char *head = xr + h * head_dim * ESIZE(bf16);
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = LOAD(head, i, bf16), x2 = LOAD(head, i + half, bf16);
-                const float c = LOAD(cr, i, bf16), s = LOAD(sr, i, bf16);
-                STORE(head, i, x1 * c - x2 * s, bf16);
-                STORE(head, i + half, x2 * c + x1 * s, bf16);
-            }
+    for (int64_t h = 0; h < heads; h++) {
+        char *head = (char *)x + h * head_dim * ESIZE(bf16);
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = LOAD(head, i, bf16), x2 = LOAD(head, i + half, bf16);
+            const float c = LOAD(cos, i, bf16), s = LOAD(sin, i, bf16);
+            STORE(head, i, x1 * c - x2 * s, bf16);
+            STORE(head, i + half, x2 * c + x1 * s, bf16);
         }
     }
+}
+
+static void rotary(void *x, int64_t x_stride, const void *cos, const void *sin, int64_t cs_stride, int64_t rows,
+                   int64_t heads, int64_t head_dim, int bf16) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        rotary_row((char *)x + r * x_stride * ESIZE(bf16), (const char *)cos + r * cs_stride * ESIZE(bf16),
+                   (const char *)sin + r * cs_stride * ESIZE(bf16), heads, head_dim, bf16);
 }
 
 void rotary_f32(void *x, int64_t xs, const void *cos, const void *sin, int64_t cs, int64_t rows, int64_t heads,

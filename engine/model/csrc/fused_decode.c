@@ -10,22 +10,27 @@
  * so a meeting costs well under a microsecond when both threads are running),
  * which is how llama.cpp runs its graph. Per layer:
  *
- *   1. residual += x; x = RMSNorm(residual); quantize x     rows split over threads
+ *   1. residual += x; x = RMSNorm(residual) (quantize x)   rows split over threads
  *   2. qkv = x Wqkv^T (+ b)                                  output tiles split
  *   3. rotary on q, k; k, v into the cache; attention       (request, kv head) tasks split
+ *      (quantize the heads' output)
  *   4. x = attn Wo^T (+ b)                                   output tiles split
- *   5. residual += x; x = RMSNorm(residual); quantize x     rows split
+ *   5. residual += x; x = RMSNorm(residual) (quantize x)   rows split
  *   6. gate_up = x Wgu^T (+ b)                               output tiles split
- *   7. act = silu(gate) * up; quantize act                   (row, 256 features) spans split
+ *   7. act = silu(gate) * up (quantize act)                  (row, 256 features) spans split
  *   8. x = act Wdown^T (+ b)                                 output tiles split
+ *
+ * (the quantize steps only for quantized weights)
  *
  * and after the last layer x = RMSNorm(residual + x), written to `hidden`.
  *
  * Every phase calls the very code of the per-op kernels (this file includes
- * them: cpu_ops.c, paged_decode_attention.c, quant_gemv.c) and rounds to the
- * activations' dtype where the torch path does (each op's output), so the
- * result is the unfused path's: bit for bit in float32 and bfloat16 except
- * where the compiler vectorises an expf differently (a last-bit difference).
+ * them: cpu_ops.c, paged_decode_attention.c, quant_gemv.c; their one-row and
+ * one-task functions, which open no parallel region of their own) and rounds
+ * to the activations' dtype where the torch path does (each op's output), so
+ * on quantized weights the result is the unfused path's bit for bit in float32
+ * and bfloat16. quant_kernels.force_isa does not reach this library: it always
+ * runs the best instruction set its build has.
  *
  * Weights are either all quantized (quant_gemv.c's packed q4/q8, activations
  * quantized per 32-block before each product) or all dense (KIND_DENSE: a
@@ -148,8 +153,8 @@ static inline __attribute__((always_inline)) void attention_task(const fused_mod
     char *row = qkv + es * r * (nq + 2 * nkv);
     char *query = row + es * h * group * head_dim, *key = row + es * (nq + h * head_dim), *value = key + es * nkv;
     const char *cos = (const char *)m->cos_sin + es * positions[r] * head_dim, *sin = cos + es * head_dim / 2;
-    rotary(query, 0, cos, sin, 0, 1, group, head_dim, bf16);
-    rotary(key, 0, cos, sin, 0, 1, 1, head_dim, bf16);
+    rotary_row(query, cos, sin, group, head_dim, bf16);
+    rotary_row(key, cos, sin, 1, head_dim, bf16);
     const int64_t slot = slots[r] * nkv + h * head_dim;
     memcpy((char *)layer->key_cache + es * slot, key, es * head_dim);
     memcpy((char *)layer->value_cache + es * slot, value, es * head_dim);
@@ -182,9 +187,9 @@ static inline __attribute__((always_inline)) void forward(const fused_model_t *m
             char *xr = x + es * r * H, *res = residual + es * r * H;
             if (l == 0) { /* the residual stream starts as the embeddings, normalised alone */
                 memcpy(res, hidden + es * r * H, es * H);
-                rms_norm(res, H, NULL, 0, layer->input_norm, xr, H, 1, H, m->eps, bf16);
+                rms_norm_row(res, NULL, layer->input_norm, xr, H, m->eps, bf16);
             } else {
-                rms_norm(xr, H, res, H, layer->input_norm, xr, H, 1, H, m->eps, bf16);
+                rms_norm_row(xr, res, layer->input_norm, xr, H, m->eps, bf16);
             }
             if (m->quantized) quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
         }
@@ -198,7 +203,7 @@ static inline __attribute__((always_inline)) void forward(const fused_model_t *m
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < B; r++) {
             char *xr = x + es * r * H;
-            rms_norm(xr, H, residual + es * r * H, H, layer->post_norm, xr, H, 1, H, m->eps, bf16);
+            rms_norm_row(xr, residual + es * r * H, layer->post_norm, xr, H, m->eps, bf16);
             if (m->quantized) quantize_blocks(xr, bf16, r, H, 0, H / QK, a);
         }
         team_linear(isa, layer->gate_up, a, x, B, layer->gate_up_bias, gate_up, bf16);
@@ -214,8 +219,8 @@ static inline __attribute__((always_inline)) void forward(const fused_model_t *m
         if (l == m->num_layers - 1) {
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < B; r++)
-                rms_norm(x + es * r * H, H, residual + es * r * H, H, m->final_norm, hidden + es * r * H, H, 1, H,
-                         m->eps, bf16);
+                rms_norm_row(x + es * r * H, residual + es * r * H, m->final_norm, hidden + es * r * H, H, m->eps,
+                             bf16);
         }
     }
 }
@@ -237,15 +242,16 @@ int fused_decode_forward(const fused_model_t *m, void *hidden, int64_t B, const 
     const int64_t nq = m->num_heads * head_dim, nqkv = nq + 2 * m->num_kv_heads * head_dim;
     const int64_t widest = H > I ? (H > nq ? H : nq) : (I > nq ? I : nq);
     char *work = malloc((size_t)(ESIZE(m->bf16) * B * (2 * H + nqkv + nq + 3 * I)));
-    acts_t a;
-    void *acts = acts_alloc(&a, B, widest);
-    if (work && acts) {
+    acts_t a = {0};
+    void *acts = m->quantized ? acts_alloc(&a, B, widest) : NULL; /* dense weights read x as it is */
+    if (work && (acts || !m->quantized)) {
         if (m->bf16)
             forward(m, hidden, B, positions, slots, block_table, block_table_stride, seq_lens, work, &a, 1);
         else
             forward(m, hidden, B, positions, slots, block_table, block_table_stride, seq_lens, work, &a, 0);
     }
+    const int status = work && (acts || !m->quantized) ? 0 : -1;
     free(work);
     free(acts);
-    return work && acts ? 0 : -1;
+    return status;
 }
