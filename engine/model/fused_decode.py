@@ -4,8 +4,7 @@ One token per request makes the torch path's cost its dispatch: per layer about
 forty Python-level calls, and an OpenMP fork and join around every kernel. The
 fused call runs all layers in one OpenMP region whose threads meet at barriers
 between phases (see the C file), with the same kernels' code and the same
-roundings as the unfused path, so the result is the same (bit for bit up to a
-vectorised ``expf``'s last bit; ``tests/test_fused_decode.py``).
+roundings as the unfused path (``tests/test_fused_decode.py``).
 
 It serves decode-only CPU steps of a Llama-family model (Llama, Mistral, Qwen2;
 not Qwen3's per-head norms) on one rank, with the CPU attention backend, whose
@@ -15,7 +14,8 @@ steps of up to ``MAX_ROWS`` tokens) or all dense in float32 (no
 ``--quantization``: steps of up to ``MAX_DENSE_ROWS`` tokens, beyond which
 oneDNN's blocked GEMM is faster). A dense model keeps a plain copy of each
 projection's weight beside oneDNN's packed one for this
-(``OneDNNPackedLinearMethod.plain_weight``): the projections' memory twice.
+(``OneDNNPackedLinearMethod.plain_weight``): the projections' memory twice
+(405 MiB more for SmolLM2).
 Dense products sum in another order than oneDNN's, so dense results equal the
 unfused path's to rounding (about 1e-5 relative after 30 layers), quantized
 ones bit for bit. Dense bfloat16 stays layer by layer: rounded to bfloat16
