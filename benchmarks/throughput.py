@@ -249,8 +249,9 @@ def profile_report(profile: dict[str, Any]) -> str:
     lines += [f"| {label} | {ms:.2f} | {ms / step_ms:.0%} |" for label, ms in profile["breakdown_ms"].items()]
     lines += [""]
     if ATTENTION_ROW not in profile["breakdown_ms"]:
-        lines += ["No attention region was recorded: the backend marks none, or a replayed CUDA graph ran the "
-                  "forward without its per-layer Python.", ""]
+        lines += ["No attention region was recorded: the backend marks none, the fused decode ran all layers in "
+                  "one native call (PAGEDSERVE_FUSED_DECODE=0 runs them one by one), or a replayed CUDA graph ran "
+                  "the forward without its per-layer Python.", ""]
     lines += ["Work outside torch ops (e.g. a C kernel called through ctypes) shows as self time of the region "
               "that runs it.", "", "Top ops by self CPU time:", "```", profile["top_ops"].rstrip(), "```"]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
                     ROOT], check=True, timeout=300, cwd=dist)
     wheel = next(dist.glob("pagedserve-*.whl"))
     sources = {f"engine/model/csrc/{path.name}" for path in (ROOT / "engine" / "model" / "csrc").glob("*.c")}
-    assert len(sources) == 4 and sources <= set(zipfile.ZipFile(wheel).namelist())  # every C kernel ships
+    assert len(sources) == 5 and sources <= set(zipfile.ZipFile(wheel).namelist())  # every C kernel ships
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", target,
                     wheel], check=True, timeout=300)
     return target
@@ -56,5 +56,7 @@ def test_the_installed_wheel_serves_a_completion(installed: Path, tmp_path: Path
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert page.status_code == 200 and "window.dashboard" in page.text
     assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in {"Paris", "Rome"}
-    assert list((cache / "kernels").glob("paged_decode_attention-*.so"))  # decodes ran in the C kernel
+    # Decodes ran in a C kernel built from the installed sources: the fused one (all layers in one call), which
+    # includes the paged attention kernel's source.
+    assert list((cache / "kernels").glob("fused_decode-*.so"))
     assert "Traceback" not in (tmp_path / "server.log").read_text()
