@@ -172,7 +172,9 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
     if num_prompt_logprobs is None and request.echo:
         num_prompt_logprobs = request.logprobs
     structured_outputs, structured_param = request.structured_output()
-    with engine_errors({"structured_outputs": structured_param}):
+    # A grammar fails at admission or while generating: either way the client hears its own field's name.
+    client_names = {"structured_outputs": structured_param}
+    with engine_errors(client_names):
         params = request.to_sampling_params(request.max_tokens, logprobs=request.logprobs,
                                             prompt_logprobs=num_prompt_logprobs,
                                             defaults=engine.default_sampling_params,
@@ -188,10 +190,10 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
     response = CompletionResponse(id=request_id, created=unix_time(), model=engine.model_name, choices=[])
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if request.stream:
-        chunks = _chunks(response, request.include_usage, num_prompt_tokens, builder, outputs)
+        chunks = _chunks(response, request.include_usage, num_prompt_tokens, builder, outputs, client_names)
         return sse_response(await first_chunk_awaited(chunks))
     num_output_tokens = 0
-    with engine_errors():
+    with engine_errors(client_names):
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
                 response.choices.extend(await builder.choices(prompt_index, output))
@@ -203,11 +205,11 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
 
 
 async def _chunks(head: CompletionResponse, include_usage: bool, num_prompt_tokens: int,
-                  builder: _ChoiceBuilder, outputs: AsyncGenerator[tuple[int, RequestOutput], None]
-                  ) -> AsyncGenerator[CompletionResponse, None]:
+                  builder: _ChoiceBuilder, outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+                  client_names: dict[str, str]) -> AsyncGenerator[CompletionResponse, None]:
     """One chunk per choice that advanced, then the usage chunk when asked for."""
     num_output_tokens = 0
-    with engine_errors():
+    with engine_errors(client_names):
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
                 choices = await builder.choices(prompt_index, output)

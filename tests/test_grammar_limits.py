@@ -30,6 +30,7 @@ from engine.structured_output.compiler import (
     SMALL_GRAMMAR_CHARS,
     GrammarCompiler,
 )
+from engine.structured_output.manager import GuidanceManager
 from tests.conftest import Served
 
 ASK = [{"role": "user", "content": "Answer in JSON."}]
@@ -189,6 +190,20 @@ def test_a_grammar_llguidance_panics_on_is_a_400_without_its_backtrace(client: h
     message = _refused(response, "structured_outputs.grammar")
     assert message.startswith("invalid grammar for structured output: panic: ") and "symbols" in message
     assert "<backtrace>" not in message and "\n" not in message and "python-build" not in message
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ["completions guided_json", "chat response_format"])
+def test_a_grammar_failing_while_generating_names_the_client_s_field(
+        client: httpx.Client, monkeypatch: pytest.MonkeyPatch, route: str, stream: bool) -> None:
+    """The grammar refusing a sampled token fails the request in the engine with ``structured_outputs``;
+    completions passed that name on (the client sent ``guided_json``), where chat named its own field."""
+    monkeypatch.setattr(GuidanceManager, "accept_tokens", lambda self, request_id, token_ids: "token refused")
+    path, body, param = SCHEMA_ROUTES[route]
+    refused = client.post(path, json={**body({"type": "object"}), "stream": stream, "max_tokens": 4})
+    assert "token refused" in _refused(refused, param)
+    monkeypatch.undo()
+    assert client.post(path, json={**body({"type": "object"}), "max_tokens": 4}).status_code == 200
 
 
 # --------------------------------------------------------------------------- deep grammars, on deep stacks
