@@ -255,7 +255,9 @@ def test_entrypoint_and_scripts_are_executable_shell() -> None:
 
 def test_image_model_equals_the_engines_own_conversion(tmp_path: Path) -> None:
     """scripts/image_convert_model.py (the image's model stage) writes the same files, byte for byte, as
-    the engine's gguf_cache_folder: the image serves what `make serve` serves."""
+    the engine's gguf_cache_folder: the image serves what `make serve` serves. The two ran with HF_HUB_OFFLINE
+    set differently (the tokenizer saved how it had been loaded: local_files_only true in one, false in the
+    other), so the script runs with it unset here."""
     spec = importlib.util.spec_from_file_location("image_convert_model", ROOT / "scripts" / "image_convert_model.py")
     converter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(converter)
@@ -263,7 +265,8 @@ def test_image_model_equals_the_engines_own_conversion(tmp_path: Path) -> None:
     engine_folder = Path(loader.gguf_cache_folder(loader.resolve_model_path(None)).path)
     image_folder = tmp_path / loader.EMBEDDED_MODEL_NAME
     subprocess.run([sys.executable, "-P", str(ROOT / "scripts" / "image_convert_model.py"), str(image_folder)],
-                   check=True, cwd=tmp_path, timeout=600, env={**os.environ, "TQDM_DISABLE": "1"})
+                   check=True, cwd=tmp_path, timeout=600,
+                   env={**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}, "TQDM_DISABLE": "1"})
     names = sorted(p.name for p in image_folder.iterdir())
     assert names == sorted(p.name for p in engine_folder.iterdir() if not p.name.startswith("."))
     for name in names:

@@ -235,12 +235,16 @@ def _convert_gguf(source: ModelSource, folder: str, with_weights: bool) -> None:
 
 def load_hf_config(source: ModelSource) -> PretrainedConfig:
     """The model's transformers config (from ``config.json`` or the GGUF metadata)."""
-    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file)
+    return AutoConfig.from_pretrained(source.path, gguf_file=source.gguf_file, local_files_only=True)
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer (from the folder's tokenizer files or the GGUF metadata)."""
-    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    """The model's tokenizer (from the folder's tokenizer files or the GGUF metadata).
+
+    ``source.path`` is a local folder, so the hub is never asked, whatever ``HF_HUB_OFFLINE`` says; saying so
+    also keeps the converted folder's ``tokenizer_config.json`` the same either way (the tokenizer records
+    ``local_files_only``)."""
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file, local_files_only=True)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
