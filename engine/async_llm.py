@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.config import EngineArgs
@@ -216,6 +216,8 @@ class AsyncLLM:
                 a KV cache too small for ``max_model_len``), naming it.
             OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
         """
+        if args.cpu_reserved_cores is None:  # the frontend shares the machine: small steps leave it a core
+            args = replace(args, cpu_reserved_cores=1)
         return load_engine(args)
 
     # ------------------------------------------------------------------ engine thread

@@ -93,6 +93,10 @@ class EngineArgs:
         "(either)",
         choices=("auto", "cpu", "torch", "triton"))
     enforce_eager: bool = _arg(False, "Disable CUDA graphs")
+    cpu_reserved_cores: int | None = _arg(
+        None, "CPU cores that small steps (at most 4 tokens: decoding a few requests) leave to the HTTP frontend, "
+        "so that its per-token work does not preempt a kernel's threads between their barriers; larger steps use "
+        "every core. Empty = 1 when serving HTTP (AsyncLLM), 0 offline (LLM)", "cores")
     tensor_parallel_size: int = _arg(
         1, "Processes the weights are split over (Megatron-style tensor parallelism): one per GPU on CUDA "
         "(NCCL), a share of the cores each on CPU (gloo); KV cache sizes are per process", "processes")
@@ -130,6 +134,8 @@ class EngineArgs:
                              f"({self.max_num_seqs})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cpu_reserved_cores is not None and self.cpu_reserved_cores < 0:
+            raise ValueError(f"cpu_reserved_cores must be >= 0, got {self.cpu_reserved_cores}")
         if self.step_record_buffer_size < 0:
             raise ValueError(f"step_record_buffer_size must be >= 0, got {self.step_record_buffer_size}")
         if self.long_prefill_token_threshold < 0:

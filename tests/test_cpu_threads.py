@@ -1,4 +1,5 @@
-"""The thread switching that keeps small CPU steps' elementwise ops off the OpenMP barrier."""
+"""The thread switching that keeps small CPU steps' elementwise ops off the OpenMP barrier, and small steps
+off the core a server leaves to its frontend."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import threading
 import pytest
 import torch
 
-from engine.model.cpu_threads import all_threads, serial_elementwise
+from engine.config import EngineArgs
+from engine.model.cpu_threads import all_threads, fewer_threads, serial_elementwise
+from tests.conftest import Served
 
 
 @pytest.fixture(autouse=True)
@@ -73,3 +76,28 @@ def test_nested_all_threads_give_back_what_they_found() -> None:
         with all_threads():
             pass
         assert torch.get_num_threads() == 2
+
+
+def test_fewer_threads_leaves_the_reserved_cores_and_all_threads_inside_gives_back_only_the_rest() -> None:
+    torch.set_num_threads(3)
+    with fewer_threads(1):
+        assert torch.get_num_threads() == 2
+        with serial_elementwise(True):
+            assert torch.get_num_threads() == 1
+            with all_threads():
+                assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 3
+    with fewer_threads(5):  # never below one thread
+        assert torch.get_num_threads() == 1
+    with fewer_threads(0):
+        assert torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError), fewer_threads(1):
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == 3
+
+
+def test_the_server_reserves_a_core_for_its_frontend_and_offline_reserves_none(served: Served) -> None:
+    assert served.engine.engine_core.executor.worker.model_runner.reserved_cores == 1
+    assert EngineArgs().cpu_reserved_cores is None  # resolved by who runs the engine: AsyncLLM 1, LLM 0
+    with pytest.raises(ValueError, match="cpu_reserved_cores must be >= 0"):
+        EngineArgs(cpu_reserved_cores=-1)

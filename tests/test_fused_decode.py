@@ -23,6 +23,7 @@ from engine.model import fused_decode
 from engine.model.fused_decode import MAX_DENSE_ROWS, MAX_ROWS, FusedDecoder
 from engine.model.loader import load_hf_config, load_model, resolve_model_path
 from engine.sampling_params import SamplingParams
+from engine.worker.model_runner import RESERVED_CORES_MAX_TOKENS
 from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
 
 CPU = torch.device("cpu")
@@ -190,3 +191,34 @@ def test_smollm2_gguf_greedy_tokens_are_the_same_fused_or_not(gguf_llm) -> None:
         fused._forward = kernel
     # Every decode step: 39 of the longest request (its first token comes from the prefill).
     assert len(statuses) == 39 and set(statuses) == {0}
+
+
+def test_small_steps_leave_the_reserved_cores_to_the_frontend(gguf_llm, monkeypatch) -> None:
+    """With ``cpu_reserved_cores`` (a server's default), decode steps of at most RESERVED_CORES_MAX_TOKENS
+    requests run their forward and logits on the threads less the reserved ones; larger steps on all of them,
+    and the count is back after each step."""
+    runner = gguf_llm.engine_core.executor.worker.model_runner
+    model = runner.model
+    monkeypatch.setattr(runner, "reserved_cores", 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    seen: list[tuple[str, int, int]] = []  # (what, tokens, threads)
+    forward, logits = model.decode_forward, model.compute_logits
+    monkeypatch.setattr(model, "decode_forward", lambda input_ids, *args: seen.append(
+        ("forward", len(input_ids), torch.get_num_threads())) or forward(input_ids, *args))
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: seen.append(
+        ("logits", len(hidden), torch.get_num_threads())) or logits(hidden))
+    lengths = (9, 8, 7, 6, 5, 4)  # 6 requests decoding, then 5, 4, ... 1
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    try:
+        gguf_llm.generate([f"Count to {n}:" for n in lengths], params, use_tqdm=False)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    # A decode step calls the fused forward, then the logits; the prefill step (more tokens) only the logits.
+    assert seen[0][0] == "logits" and seen[0][2] == 3
+    steps = list(zip(seen[1::2], seen[2::2], strict=True))
+    assert sorted({forward[1] for forward, _ in steps}) == [1, 2, 3, 4, 5, 6]
+    for forward, logits in steps:
+        assert forward[0] == "forward" and logits[0] == "logits"
+        assert forward[2] == logits[2] == (2 if forward[1] <= RESERVED_CORES_MAX_TOKENS else 3), seen

@@ -16,6 +16,17 @@ models hold no thread policy. Measured on
 the 2-core test machine, serving 64 streams in bf16: 387-426 -> 455-485 output
 tok/s; the same workload offline, with nothing else running, is unchanged.
 
+A server has one more contender: the HTTP frontend's per-token work (output
+processing, detokenization, SSE), about 1 ms of CPU per token. Decoding one
+request on two cores, the fused decode kernel's two threads meet at some 240
+barriers a step, and whenever the frontend preempts one of them the other spins
+until the scheduler gives it back: 14-19 ms a token, against 9.4-10.4 ms on one
+thread with the second core left to the frontend (2-core test machine, GGUF
+SmolLM2, c=1). So ``fewer_threads(n)`` runs small steps on all cores but ``n``
+(``EngineArgs.cpu_reserved_cores``; vLLM's CPU backend reserves a core for its
+frontend the same way). Large steps keep every core: at 64 streams their
+arithmetic dominates and one thread served 0.6-0.7x the tokens.
+
 OpenMP thread counts belong to the calling thread, and so does this module's
 state. One caveat: ``torch.set_num_threads`` also sets the default a thread
 starts with, so a thread that first touches torch while the engine thread is
@@ -47,6 +58,22 @@ def serial_elementwise(enabled: bool) -> Iterator[None]:
     finally:
         torch.set_num_threads(_state.full_threads)
         _state.full_threads = None
+
+
+@contextlib.contextmanager
+def fewer_threads(reserved: int) -> Iterator[None]:
+    """Run the block's torch ops and C kernels on the intra-op threads less ``reserved`` (at least one).
+
+    Enclosing ``serial_elementwise``, it lowers the count that ``all_threads`` gives back too."""
+    previous = torch.get_num_threads()
+    if reserved <= 0 or previous <= 1:
+        yield
+        return
+    torch.set_num_threads(max(1, previous - reserved))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ what they raise propagates and stops the engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from engine.model.attention import AttentionMetadata
-from engine.model.cpu_threads import serial_elementwise
+from engine.model.cpu_threads import fewer_threads, serial_elementwise
 from engine.model.registry import CausalLM
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from engine.profiling import region
@@ -39,6 +40,10 @@ _PROMPT_LOGPROBS_ROWS = 256
 #: CPU steps of at most this many tokens run their elementwise ops on one thread. Above it (long
 #: prefill chunks) each op has hundreds of thousands of elements and parallelising them pays.
 SERIAL_ELEMENTWISE_MAX_TOKENS = 512
+#: CPU steps of at most this many tokens leave ``cpu_reserved_cores`` to the frontend (``engine.model.cpu_threads``).
+#: Measured in the server (SmolLM2 GGUF, 2 cores), output tok/s on one thread / on two: 1.5x at 1 stream, about
+#: 1.1x at 2 and 4; at 16 streams and above, two threads win.
+RESERVED_CORES_MAX_TOKENS = 4
 
 
 @dataclass
@@ -90,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
+        self.reserved_cores = config.args.cpu_reserved_cores or 0  # None (offline) reserves none
         self.max_model_len = max_model_len
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), block_size,
                                       model.vocab_size, device, pin_memory=device.type == "cuda")
@@ -295,7 +301,7 @@ class ModelRunner:
                 return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                          failed_req_ids=self._failed)
             inputs = self._prepare_inputs(num_scheduled)
-        with region("model_runner.forward"):
+        with region("model_runner.forward"), self._threads_for(len(inputs.input_ids)):
             hidden_states = self._forward(inputs)
 
         num_reqs = batch.num_reqs
@@ -310,7 +316,7 @@ class ModelRunner:
                                    failed_req_ids=self._failed)
         if not len(inputs.sample_rows):
             return output
-        with region("model_runner.compute_logits"):
+        with region("model_runner.compute_logits"), self._threads_for(len(inputs.input_ids)):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         self._pending = _PendingSample(logits, inputs.sample_rows, output)
         return None
@@ -437,6 +443,11 @@ class ModelRunner:
         bitmask_index = [i for i, _ in keep]
         bitmask = torch.from_numpy(grammar_output.grammar_bitmask[bitmask_index]).to(self.device)
         return bitmask, torch.tensor([row for _, row in keep], dtype=torch.int64, device=self.device)
+
+    def _threads_for(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
+        """The CPU thread policy of a step of ``num_tokens`` tokens: small ones leave cores to the frontend."""
+        small = self.device.type == "cpu" and num_tokens <= RESERVED_CORES_MAX_TOKENS
+        return fewer_threads(self.reserved_cores) if small else contextlib.nullcontext()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """``[T, hidden_size]``: for decode-only steps a replayed CUDA graph, or the model's fused CPU path
