@@ -96,7 +96,8 @@ class EngineArgs:
     cpu_reserved_cores: int | None = _arg(
         None, "CPU cores that small steps (at most 4 tokens: decoding a few requests) leave to the HTTP frontend, "
         "so that its per-token work does not preempt a kernel's threads between their barriers; larger steps use "
-        "every core. Empty = 1 when serving HTTP (AsyncLLM), 0 offline (LLM)", "cores")
+        "every thread. No change when the torch threads already leave them free, or with tensor parallelism. "
+        "Empty = 1 when serving HTTP (AsyncLLM), 0 offline (LLM)", "cores")
     tensor_parallel_size: int = _arg(
         1, "Processes the weights are split over (Megatron-style tensor parallelism): one per GPU on CUDA "
         "(NCCL), a share of the cores each on CPU (gloo); KV cache sizes are per process", "processes")

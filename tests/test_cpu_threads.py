@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineArgs
-from engine.model.cpu_threads import all_threads, fewer_threads, serial_elementwise
+from engine.model.cpu_threads import all_threads, serial_elementwise, small_step_threads, threads_at_most
 from tests.conftest import Served
 
 
@@ -78,22 +78,36 @@ def test_nested_all_threads_give_back_what_they_found() -> None:
         assert torch.get_num_threads() == 2
 
 
-def test_fewer_threads_leaves_the_reserved_cores_and_all_threads_inside_gives_back_only_the_rest() -> None:
+def test_threads_at_most_lowers_the_count_and_all_threads_inside_gives_back_only_that() -> None:
     torch.set_num_threads(3)
-    with fewer_threads(1):
+    with threads_at_most(2):
         assert torch.get_num_threads() == 2
         with serial_elementwise(True):
             assert torch.get_num_threads() == 1
             with all_threads():
                 assert torch.get_num_threads() == 2
     assert torch.get_num_threads() == 3
-    with fewer_threads(5):  # never below one thread
-        assert torch.get_num_threads() == 1
-    with fewer_threads(0):
-        assert torch.get_num_threads() == 3
-    with pytest.raises(RuntimeError), fewer_threads(1):
+    for unchanged in (None, 3, 8):
+        with threads_at_most(unchanged):
+            assert torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError), threads_at_most(1):
         raise RuntimeError("boom")
     assert torch.get_num_threads() == 3
+
+
+@pytest.mark.parametrize(("threads", "cores", "reserved", "ranks", "expected"), [
+    (2, 2, 1, 1, 1),  # the development machine: one thread, one core for the frontend
+    (16, 16, 1, 1, 15),
+    (16, 16, 2, 1, 14),
+    (1, 1, 1, 1, 1),  # never below one thread
+    (4, 16, 1, 1, None),  # OMP_NUM_THREADS=4 leaves 12 cores free already
+    (15, 16, 1, 1, None),
+    (16, 16, 0, 1, None),  # offline
+    (8, 16, 1, 2, None),  # tensor-parallel ranks keep their shares
+])
+def test_small_step_threads_leave_the_reserved_cores_of_the_machine(threads, cores, reserved, ranks,
+                                                                    expected) -> None:
+    assert small_step_threads(threads, cores, reserved, ranks) == expected
 
 
 def test_the_server_reserves_a_core_for_its_frontend_and_offline_reserves_none(served: Served) -> None:

@@ -195,11 +195,12 @@ def test_smollm2_gguf_greedy_tokens_are_the_same_fused_or_not(gguf_llm) -> None:
 
 def test_small_steps_leave_the_reserved_cores_to_the_frontend(gguf_llm, monkeypatch) -> None:
     """With ``cpu_reserved_cores`` (a server's default), decode steps of at most RESERVED_CORES_MAX_TOKENS
-    requests run their forward and logits on the threads less the reserved ones; larger steps on all of them,
-    and the count is back after each step."""
+    requests run their forward and logits on ``small_step_threads``; larger steps on all of them, and the count
+    is back after each step. (The fused kernel shares torch's OpenMP runtime, so torch's count is its team.)"""
     runner = gguf_llm.engine_core.executor.worker.model_runner
     model = runner.model
-    monkeypatch.setattr(runner, "reserved_cores", 1)
+    assert runner.reserved_cores == 0 and runner.small_step_threads is None  # offline: every core
+    monkeypatch.setattr(runner, "small_step_threads", 2)  # a server's on 3 cores
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     seen: list[tuple[str, int, int]] = []  # (what, tokens, threads)

@@ -22,16 +22,16 @@ request on two cores, the fused decode kernel's two threads meet at some 240
 barriers a step, and whenever the frontend preempts one of them the other spins
 until the scheduler gives it back: 14-19 ms a token, against 9.4-10.4 ms on one
 thread with the second core left to the frontend (2-core test machine, GGUF
-SmolLM2, c=1). So ``fewer_threads(n)`` runs small steps on all cores but ``n``
-(``EngineArgs.cpu_reserved_cores``; vLLM's CPU backend reserves a core for its
-frontend the same way). Large steps keep every core: at 64 streams their
-arithmetic dominates and one thread served 0.6-0.7x the tokens.
+SmolLM2, one stream, 4 runs each). So small steps run under
+``threads_at_most(small_step_threads(...))``: the cores this process may use
+less ``EngineArgs.cpu_reserved_cores``. Large steps keep every thread: at 64
+streams their arithmetic dominates and one thread served 0.6-0.7x the tokens.
 
 OpenMP thread counts belong to the calling thread, and so does this module's
 state. One caveat: ``torch.set_num_threads`` also sets the default a thread
 starts with, so a thread that first touches torch while the engine thread is
-inside ``serial_elementwise`` starts with one thread (the frontend's threads
-tokenize with the Rust tokenizers and run no torch ops).
+inside ``serial_elementwise`` or ``threads_at_most`` starts with that count
+(the frontend's threads tokenize with the Rust tokenizers and run no torch ops).
 """
 
 from __future__ import annotations
@@ -60,16 +60,26 @@ def serial_elementwise(enabled: bool) -> Iterator[None]:
         _state.full_threads = None
 
 
+def small_step_threads(threads: int, cores: int, reserved: int, ranks: int) -> int | None:
+    """The intra-op threads of a small step that leaves ``reserved`` of ``cores`` to the frontend, or None for
+    no change: when ``threads`` already leave them free (e.g. ``OMP_NUM_THREADS`` below the cores), when nothing
+    is reserved, or with tensor-parallel ``ranks`` (each already runs on its share of the cores; not measured)."""
+    if reserved <= 0 or ranks > 1 or threads + reserved <= cores:
+        return None
+    return max(1, min(threads, cores - reserved))
+
+
 @contextlib.contextmanager
-def fewer_threads(reserved: int) -> Iterator[None]:
-    """Run the block's torch ops and C kernels on the intra-op threads less ``reserved`` (at least one).
+def threads_at_most(count: int | None) -> Iterator[None]:
+    """Run the block's torch ops and C kernels (which share torch's OpenMP runtime) on at most ``count``
+    intra-op threads; None or a count at or above the current one changes nothing.
 
     Enclosing ``serial_elementwise``, it lowers the count that ``all_threads`` gives back too."""
     previous = torch.get_num_threads()
-    if reserved <= 0 or previous <= 1:
+    if count is None or count >= previous:
         yield
         return
-    torch.set_num_threads(max(1, previous - reserved))
+    torch.set_num_threads(max(1, count))
     try:
         yield
     finally:

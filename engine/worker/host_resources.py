@@ -76,6 +76,13 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
     return quota_us / period_us
 
 
+def available_cores(root: Path = CGROUP_ROOT) -> int:
+    """The cores this process may run on: its CPU affinity, capped by the cgroup's CPU quota (rounded up)."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota(root)
+    return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
+
+
 def limit_threads_to_cpu_quota(root: Path = CGROUP_ROOT) -> int:
     """Lower torch's intra-op threads to the cgroup's CPU quota (rounded up), unless the user chose
     a count with ``OMP_NUM_THREADS``. Returns the thread count in force."""

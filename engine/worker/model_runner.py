@@ -24,11 +24,12 @@ import torch
 from engine.config import EngineConfig
 from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from engine.model.attention import AttentionMetadata
-from engine.model.cpu_threads import fewer_threads, serial_elementwise
+from engine.model.cpu_threads import serial_elementwise, small_step_threads, threads_at_most
 from engine.model.registry import CausalLM
 from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from engine.profiling import region
 from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
+from engine.worker.host_resources import available_cores
 from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.rejection_sampler import RejectionSampler
 from engine.worker.sampler import Sampler, compute_logprobs_tensors
@@ -41,8 +42,8 @@ _PROMPT_LOGPROBS_ROWS = 256
 #: prefill chunks) each op has hundreds of thousands of elements and parallelising them pays.
 SERIAL_ELEMENTWISE_MAX_TOKENS = 512
 #: CPU steps of at most this many tokens leave ``cpu_reserved_cores`` to the frontend (``engine.model.cpu_threads``).
-#: Measured in the server (SmolLM2 GGUF, 2 cores), output tok/s on one thread / on two: 1.5x at 1 stream, about
-#: 1.1x at 2 and 4; at 16 streams and above, two threads win.
+#: Measured in the server (SmolLM2 GGUF, 2 cores, 3 interleaved runs), output tok/s on one thread / on two:
+#: 1.3-2.2x at 1 stream, 1.2-1.4x at 2, 0.9-1.1x at 4; at 16 streams and above two threads win.
 RESERVED_CORES_MAX_TOKENS = 4
 
 
@@ -96,6 +97,14 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = device
         self.reserved_cores = config.args.cpu_reserved_cores or 0  # None (offline) reserves none
+        # Intra-op threads of a small CPU step, None for as many as any other step.
+        self.small_step_threads = small_step_threads(
+            torch.get_num_threads(), available_cores(), self.reserved_cores,
+            config.args.tensor_parallel_size) if device.type == "cpu" else None
+        if self.small_step_threads is not None:
+            logger.info("CPU steps of at most %d tokens run on %d of %d threads: %d core(s) left to the frontend "
+                        "(cpu_reserved_cores)", RESERVED_CORES_MAX_TOKENS, self.small_step_threads,
+                        torch.get_num_threads(), self.reserved_cores)
         self.max_model_len = max_model_len
         self.input_batch = InputBatch(max_num_reqs, max_model_len, -(-max_model_len // block_size), block_size,
                                       model.vocab_size, device, pin_memory=device.type == "cuda")
@@ -446,8 +455,8 @@ class ModelRunner:
 
     def _threads_for(self, num_tokens: int) -> contextlib.AbstractContextManager[None]:
         """The CPU thread policy of a step of ``num_tokens`` tokens: small ones leave cores to the frontend."""
-        small = self.device.type == "cpu" and num_tokens <= RESERVED_CORES_MAX_TOKENS
-        return fewer_threads(self.reserved_cores) if small else contextlib.nullcontext()
+        small = num_tokens <= RESERVED_CORES_MAX_TOKENS
+        return threads_at_most(self.small_step_threads) if small else contextlib.nullcontext()
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """``[T, hidden_size]``: for decode-only steps a replayed CUDA graph, or the model's fused CPU path
