@@ -78,7 +78,7 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
 
 def available_cores(root: Path = CGROUP_ROOT) -> int:
     """The cores this process may run on: its CPU affinity, capped by the cgroup's CPU quota (rounded up)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux / other
     quota = cgroup_cpu_quota(root)
     return max(1, min(cores, math.ceil(quota))) if quota is not None else cores
 
