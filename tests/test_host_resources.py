@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.worker.host_resources import (
+    available_cores,
     available_memory_bytes,
     cgroup_cpu_quota,
     cgroup_memory_limit,
@@ -54,6 +56,13 @@ def test_no_limits_means_the_host(tmp_path: Path) -> None:
         assert cgroup_memory_limit(root) is None and cgroup_cpu_quota(root) is None
         assert available_memory_bytes(root, meminfo(tmp_path, 3 * 2**20)) == 3 * GiB
     assert available_memory_bytes(tmp_path / "none", tmp_path / "no-meminfo") is None
+
+
+def test_available_cores_are_the_affinity_capped_by_the_quota(tmp_path: Path) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    assert available_cores(tmp_path / "none") == affinity
+    assert available_cores(cgroup(tmp_path / "v2", {"cpu.max": "50000 100000"})) == 1  # half a core: one
+    assert available_cores(cgroup(tmp_path / "big", {"cpu.max": f"{(affinity + 8) * 100000} 100000"})) == affinity
 
 
 @pytest.fixture
