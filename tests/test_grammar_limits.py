@@ -1,6 +1,6 @@
-"""Grammars a client can make costly: refused at the door by size, compiled on deep stacks, smallest first,
-dropped when their client has gone, cached within a byte budget; errors that name the field, keep the
-connection open and carry llguidance's message without its backtrace.
+"""Grammars a client can make costly: refused at the door by size, compiled on deep stacks, smallest first
+without starving large ones, dropped when their client has gone, cached within a byte budget; errors that
+name the field, keep the connection open and carry llguidance's message without its backtrace.
 
 Every test talks HTTP to the real server and reads the grammar compiler's counters in-process
 (``served.engine.processor.grammars``).
@@ -329,6 +329,30 @@ def test_queued_grammars_compile_smallest_first(held: HeldCompiles) -> None:
     order = [text for text in held.built if "larger" in text or "smaller" in text]
     assert len(order) == 2 and "smaller" in order[0]
     release_second.set()
+
+
+def test_a_large_compile_is_not_starved_by_small_ones_queued_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Smallest first alone let a steady stream of small grammars pass a queued large one for ever; jobs run
+    earliest deadline first, the deadline growing with the grammar's size (``AGING_S_PER_CHAR``)."""
+    monkeypatch.setattr(compiler_module, "AGING_S_PER_CHAR", 1e-6)
+    threads = compiler_module._CompileThreads()
+    holds = [threading.Event(), threading.Event()]
+    try:
+        threads.submit(SMALL_GRAMMAR_CHARS + 1, holds[0].wait)  # only the first thread takes it
+        _wait_for(lambda: threads.num_queued == 0, "the first thread to be held")
+        threads.submit(1, holds[1].wait)
+        _wait_for(lambda: threads.num_queued == 0, "the second thread to be held")
+        ran: list[str] = []
+        large = threads.submit(50_000, lambda: ran.append("large"))  # its deadline: 50 ms from now
+        time.sleep(0.2)
+        small = threads.submit(10, lambda: ran.append("small"))  # smaller, but its deadline is later
+        holds[0].set()
+        large.result(timeout=DEADLINE_S), small.result(timeout=DEADLINE_S)
+        assert ran == ["large", "small"]
+    finally:
+        for hold in holds:
+            hold.set()
+        threads.shutdown(wait=True)
 
 
 def test_the_grammar_cache_is_bounded_by_its_estimated_bytes(client: httpx.Client, served: Served,

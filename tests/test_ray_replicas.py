@@ -52,6 +52,10 @@ def replicas() -> Iterator[str]:
     # busy, serve.start failed so (the controller and proxies read these when Ray starts them).
     for name in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
         os.environ.setdefault(name, "120")
+    # Ray starts its workers at nice 15, below everything else on the machine: beside two busy loops at nice 0
+    # (the suite's load check) a replica got a few percent of a core, and a replacement replica was still
+    # loading after 420 s. The raylet reads this when ray.init starts it.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # 4 logical CPUs: one per replica and one for a replacement while the other two are still counted.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     port = free_port()
