@@ -94,9 +94,9 @@ FROM deps AS wheel
 ARG PIP_INDEX_URL
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY pagedserve pagedserve
 COPY engine engine
 COPY server server
-COPY benchmarks benchmarks
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------- runtime
@@ -135,7 +135,7 @@ USER 10001:0
 # a short greedy generation on the CPU (which compiles the CPU decode kernel into the cache) and the
 # entrypoint.
 # A wheel that misses a file, or a model the engine cannot load, fails the build here.
-RUN python -P -c "from engine import LLM, SamplingParams; \
+RUN python -P -c "from pagedserve import LLM, SamplingParams; \
 llm = LLM('$PAGEDSERVE_MODEL', device='cpu', max_model_len=256, kv_cache_memory_bytes='64MiB'); \
 out = llm.generate('The capital of France is', SamplingParams(max_tokens=4, temperature=0), use_tqdm=False); \
 print('warm-up:', repr(out[0].outputs[0].text))" \

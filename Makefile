@@ -67,7 +67,7 @@ serve: install
 	$(BIN)/pagedserve serve --host $(HOST) --port $(PORT) --config $(CONFIG) $(ARGS)
 
 lint: install-test
-	$(BIN)/ruff check engine server benchmarks tests
+	$(BIN)/ruff check pagedserve engine server benchmarks tests scripts
 
 bench: install
 	$(BIN)/pip install -e ".[bench]"

@@ -84,7 +84,7 @@ def run_check(device: str, sections: list[str], quick: bool, out: Path,
         "sections": {},
     }
     recorder = LogRecorder()
-    engine_logger = logging.getLogger("engine")
+    engine_logger = logging.getLogger("pagedserve.engine")
     engine_logger.setLevel(logging.INFO)
     engine_logger.addHandler(recorder)
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:

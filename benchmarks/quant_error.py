@@ -49,9 +49,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata
-from engine.model.linear_methods import QuantizedLinearMethod
-from engine.model.loader import (
+from pagedserve.engine.model.attention import AttentionMetadata
+from pagedserve.engine.model.linear_methods import QuantizedLinearMethod
+from pagedserve.engine.model.loader import (
     gguf_cache_folder,
     load_hf_config,
     load_model,
@@ -60,9 +60,9 @@ from engine.model.loader import (
     resolve_model_path,
     weight_bytes,
 )
-from engine.model.quant_kernels import KERNEL_MAX_ROWS
-from engine.model.registry import CausalLM
-from engine.worker.block_table import slot_mapping
+from pagedserve.engine.model.quant_kernels import KERNEL_MAX_ROWS
+from pagedserve.engine.model.registry import CausalLM
+from pagedserve.engine.worker.block_table import slot_mapping
 
 BLOCK_SIZE = 16
 SCHEMES = ("gguf", "int8", "int4")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.roofline import SMOLLM2_135M, _best_time_s, measure_bandwidth, num_threads
-from engine.model.quant_kernels import (
+from pagedserve.engine.model.quant_kernels import (
     GROUP_SIZE,
     QuantizedWeight,
     dequantize,

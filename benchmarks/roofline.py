@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from engine.model.linear import ColumnParallelLinear
-from engine.model.linear_methods import linear_method_for
-from engine.model.parallel import TensorParallel
+from pagedserve.engine.model.linear import ColumnParallelLinear
+from pagedserve.engine.model.linear_methods import linear_method_for
+from pagedserve.engine.model.parallel import TensorParallel
 
 TOKEN_ROWS = (16, 128, 512)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

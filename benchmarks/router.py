@@ -4,11 +4,11 @@ The shared-prefix workload: ``--num-prefixes`` prompt prefixes (random text of `
 tokens, as system prompts or few-shot examples are) with ``--requests-per-prefix`` requests each,
 every request the prefix plus a suffix of its own (``--suffix-len`` tokens). The requests go in
 rounds, one per prefix in a shuffled order each round, ``--max-concurrency`` in flight, streamed
-(``benchmarks.serve``). The replicas' KV caches (``--num-gpu-blocks``) are sized to hold the prefixes
+(``pagedserve.server.bench.serve``). The replicas' KV caches (``--num-gpu-blocks``) are sized to hold the prefixes
 a replica gets under affinity (num_prefixes / num_replicas) but not all of them.
 
 For each router (``--routers``, default ``prefix`` then ``round_robin``) it deploys pagedserve's
-replicas application (``server.replicas``) with ``--num-replicas`` fresh replicas on a local Ray
+replicas application (``pagedserve.server.replicas``) with ``--num-replicas`` fresh replicas on a local Ray
 cluster, warms them up with unrelated prompts, runs the workload, reads every replica's prefix-cache
 counters (``GET /metrics`` pinned to each replica with ``x-pagedserve-replica``) and deletes the
 application. It prints, per router, the prefix-cache hit rate (prompt tokens found in the cache over
@@ -32,9 +32,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.dataset import SyntheticRequest, Tokenizer, sample_requests
-from benchmarks.serve import ServeOptions, api_root, benchmark
-from server.replicas.forwarding import REPLICA_HEADER, ROUTER_HEADER
+from pagedserve.server.bench.dataset import SyntheticRequest, Tokenizer, sample_requests
+from pagedserve.server.bench.serve import ServeOptions, api_root, benchmark
+from pagedserve.server.replicas.forwarding import REPLICA_HEADER, ROUTER_HEADER
 
 #: The suffixes' seeds, apart from the prefixes' (``sample_requests`` draws request i from ``[seed, i]``).
 SUFFIX_SEED_OFFSET = 1_000_003
@@ -123,7 +123,7 @@ def prefix_cache_counters(base_url: str, replicas: list[str]) -> tuple[float, fl
 
 def run_workload(requests: list[SyntheticRequest], options: ServeOptions,
                  replicas: list[str]) -> dict[str, float | int]:
-    """Send ``requests`` (``benchmarks.serve.benchmark``) and measure them.
+    """Send ``requests`` (``pagedserve.server.bench.serve.benchmark``) and measure them.
 
     Returns:
         ``benchmark``'s metrics, plus ``prefix_cache_hit_rate`` (hits / lookups, in prompt tokens, over
@@ -151,10 +151,10 @@ def _run_router(args: argparse.Namespace, router: str, tokenizer: Tokenizer, wor
     """Deploy fresh replicas with ``router``, warm them up, run the workload, delete them."""
     from ray import serve
 
-    from engine.config import EngineArgs
-    from server.app import ServerArgs
-    from server.replicas.deployment import APP_NAME, build_application
-    from server.replicas.settings import ReplicaSettings
+    from pagedserve.engine.config import EngineArgs
+    from pagedserve.server.app import ServerArgs
+    from pagedserve.server.replicas.deployment import APP_NAME, build_application
+    from pagedserve.server.replicas.settings import ReplicaSettings
 
     engine_args = EngineArgs(model=args.model, device=args.device, max_model_len=args.max_model_len,
                              num_gpu_blocks_override=args.num_gpu_blocks)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from benchmarks.model_files import load_tokenizer
+    from pagedserve.server.bench.dataset import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     workload = Workload(args.num_prefixes, args.requests_per_prefix, args.prefix_len, args.suffix_len,

@@ -10,7 +10,7 @@ repeats, the best llama-server format per scenario, and our servers' ratios to
 it. llama.cpp runs the formats its CPU kernels are fastest in (Q4_0, Q8_0,
 BF16, made from the embedded file by ``llama-quantize``) beside the shipped
 Q4_1, and our GGUF path runs the same files. The Markdown report, the JSON, a
-comparison plot (``benchmarks/plots.py``; same file stem, ``.png``) and every
+comparison plot (``server/bench/plots.py``; same file stem, ``.png``) and every
 server's log (its effective settings: ubatch, flash attention, threads,
 slots) land in ``benchmarks/results/``; the roofline is measured before and
 after the runs.
@@ -43,12 +43,10 @@ from typing import Any
 import httpx
 import torch
 
-from benchmarks.dataset import SyntheticRequest, Tokenizer, grounded_requests, sample_requests
 from benchmarks.model_files import (
     WeightStats,
     default_gguf_path,
     gguf_weight_stats,
-    load_tokenizer,
     requantized_gguf,
 )
 from benchmarks.roofline import (
@@ -60,7 +58,14 @@ from benchmarks.roofline import (
     model_flops_utilisation,
     num_threads,
 )
-from benchmarks.serve import ServeOptions, benchmark, fetch_first_model, result_record
+from pagedserve.server.bench.dataset import (
+    SyntheticRequest,
+    Tokenizer,
+    grounded_requests,
+    load_tokenizer,
+    sample_requests,
+)
+from pagedserve.server.bench.serve import ServeOptions, benchmark, fetch_first_model, result_record
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -99,7 +104,7 @@ SCENARIOS = {s.name: s for s in (
     # Time to answer one long prompt: the request's latency, prefill nearly all of it.
     Scenario("L2k", "long-prompt", (2000, 2000), 1, 1, 2, seed=4),
     Scenario("L8k", "long-prompt", (8000, 8000), 1, 1, 2, seed=5),
-    # The output copies a passage of the prompt (benchmarks.dataset.grounded_requests): n-gram speculation's case.
+    # The output copies a passage of the prompt (server/bench/dataset.py, grounded_requests): n-gram speculation's case.
     Scenario("G1", "grounded", (384, 384), 128, 1, 8, seed=6),
     Scenario("G16", "grounded", (384, 384), 128, 16, 32, seed=7),
 )}
@@ -141,7 +146,7 @@ def amx_preload() -> str | None:
     state before llama-server's main, so its AMX kernels run instead of dying of SIGILL; else None."""
     if "amx_tile" not in Path("/proc/cpuinfo").read_text():
         return None
-    from engine.model.c_kernels import load_c_library
+    from pagedserve.engine.model.c_kernels import load_c_library
 
     lib = load_c_library(Path(__file__).parent / "baselines" / "amx_permission.c", "llama-server's AMX permission")
     return None if lib is None else lib._name
@@ -179,7 +184,7 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
 
     def pagedserve(dtype: str, *extra: str, model: Callable[[], Path] | None = None
                    ) -> Callable[[int, Scenario], list[str]]:
-        return lambda port, _: [python, "-m", "server", "serve", "--host", HOST, "--port", str(port),
+        return lambda port, _: [python, "-m", "pagedserve", "serve", "--host", HOST, "--port", str(port),
                                 "--dtype", dtype, *extra, *(["--model", str(model())] if model else [])]
 
     preload = amx_preload()
@@ -641,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     plotted = False
     if runs:
         try:
-            from benchmarks.plots import save_comparison_plot  # matplotlib: the bench extra
+            from pagedserve.server.bench.plots import save_comparison_plot  # matplotlib: the bench extra
 
             plot = save_comparison_plot(stem.with_suffix(".png"), runs, title=comparison_title(report))
         except (ImportError, ValueError, OSError) as exc:

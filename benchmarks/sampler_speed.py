@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from engine.worker.sampler import Sampler
-from engine.worker.sampling_metadata import SamplingMetadata
+from pagedserve.engine.worker.sampler import Sampler
+from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
 from tests.sampling_fixtures import make_metadata
 
 BATCH_SIZE = 64

@@ -10,11 +10,11 @@ import argparse
 import statistics
 import time
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.scheduler import Scheduler
-from engine.outputs import ModelRunnerOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 def instant_runner_output(so) -> ModelRunnerOutput:

@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     port = free_port()
-    server = ServerProcess("soak", [sys.executable, "-m", "server", "serve", "--port", str(port), *args.server_args],
-                           port, args.log_dir)
+    command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args.server_args]
+    server = ServerProcess("soak", command, port, args.log_dir)
     try:
         if (why := server.wait_ready(300)) is not None:
             raise SystemExit(f"the server did not start: {why}: {server.log_tail()}")

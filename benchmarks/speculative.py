@@ -7,20 +7,20 @@ Two kinds of prompts, each at concurrency 1 and 16, every request exactly ``--ou
   manual (``pydoc_data.topics``, installed with CPython) and asks for it back with one word changed; the
   answer copies long runs of the prompt, which prompt lookup is for. Greedy, so both engines emit the
   same tokens (speculation never changes greedy output) and only the time differs;
-- random: random-token prompts (``benchmarks.dataset.sample_requests``) continued as completions, sampled
+- random: random-token prompts (``pagedserve.server.bench.dataset.sample_requests``) continued as completions, sampled
   at temperature ``RANDOM_TEMPERATURE`` (seeded per request): n-grams match by chance only, and the
   drafts that follow a chance match are mostly rejected; what speculation costs when it does not pay
   (the goal: under 3%). Greedy decoding is no such case here: from random prompts the small model falls
   into loops, which prompt lookup predicts perfectly.
 
 The engine runs in this process (``engine.LLM``), its core stepped by a closed loop that keeps
-``concurrency`` requests in flight, as ``benchmarks/serve.py --max-concurrency`` does over HTTP, without
+``concurrency`` requests in flight, as ``server/bench/serve.py --max-concurrency`` does over HTTP, without
 the HTTP: a request's tokens arrive when the step that made them returns. Both engines (one plain, one
 with ``--speculative-config``) are loaded once, without prefix caching so that every repeat prefills
 alike, and warmed up; each scenario runs on one, then the other, ``--repeats`` times. Reported: the
 medians of each engine's runs, and the median of the ratios of the paired runs (one on each engine,
 back to back), which drifts less with the load of a shared machine than the ratio of the medians.
-Per run: output tokens/s, TPOT p50 (``benchmarks.metrics``), and from the engine's counters the
+Per run: output tokens/s, TPOT p50 (``pagedserve.server.bench.metrics``), and from the engine's counters the
 acceptance rate (accepted / drafted tokens) and the mean acceptance length (1 + accepted / drafts:
 tokens per request step that verified drafts), and the two costs speculation adds whether or not it
 pays: the share of the run's time spent in the drafter's lookups (timed around ``propose``) and the
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.dataset import sample_requests
-from benchmarks.metrics import RequestResult, compute_metrics, result_from_timestamps
+from pagedserve.server.bench.dataset import sample_requests
+from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
@@ -197,7 +197,7 @@ def _median_record(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Load both engines, run every scenario on each (alternating, ``repeats`` times), return the report."""
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     engine_args = dict(max_model_len=cfg.max_model_len, kv_cache_memory_bytes="512MiB", max_num_seqs=16,
                        enable_prefix_caching=False)

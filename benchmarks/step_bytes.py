@@ -16,12 +16,12 @@ import argparse
 import statistics
 
 from benchmarks.scheduler_bench import instant_runner_output
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import NewRequestData
-from engine.executor.multiproc import encode_call
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import NewRequestData
+from pagedserve.engine.executor.multiproc import encode_call
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 def measure(num_requests: int = 64, prompt_len: int = 512, decode_steps: int = 256,

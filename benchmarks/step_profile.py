@@ -1,7 +1,7 @@
 """Where an engine step's time goes, read from the regions the engine marks itself.
 
 ``EngineCore.step`` runs inside the region ``engine_core.step`` and each of its
-phases inside a region of its own (``engine.profiling.region``); the attention
+phases inside a region of its own (``pagedserve.engine.profiling.region``); the attention
 backends mark each layer's call ``attention``, inside the forward. A region is a
 ``torch.profiler.record_function`` while a profiler records, so its
 ``cpu_time_total`` in the profiler's key averages is the host wall time spent

@@ -50,11 +50,11 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, Field
 
-from benchmarks.dataset import SyntheticRequest, Tokenizer, parse_len_range, sample_requests
-from benchmarks.metrics import RequestResult, compute_metrics
 from benchmarks.roofline import cpu_model, num_threads
 from benchmarks.run_all import HOST, WARMUP_SEED, ServerProcess, free_port
-from benchmarks.serve import ServeOptions, api_root, benchmark, fetch_first_model
+from pagedserve.server.bench.dataset import SyntheticRequest, Tokenizer, parse_len_range, sample_requests
+from pagedserve.server.bench.metrics import RequestResult, compute_metrics
+from pagedserve.server.bench.serve import ServeOptions, api_root, benchmark, fetch_first_model
 
 TPOT_OVERHEAD_GOAL = 0.10
 COMPILE_P50_GOAL_MS = 50.0
@@ -256,8 +256,8 @@ def measure_compile(tokenizer: Any, vocab_size: int, schemas: dict[str, dict[str
     """
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.structured_output import GrammarCompiler
+    from pagedserve.engine.sampling_params import StructuredOutputsParams
+    from pagedserve.engine.structured_output import GrammarCompiler
 
     compiler = GrammarCompiler(tokenizer, vocab_size)
     try:
@@ -453,7 +453,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      epilog="Extra `pagedserve serve` arguments go after --, e.g. "
                                             "-- --dtype bfloat16 (only when this starts the server).")
     parser.add_argument("--base-url", default=None,
-                        help="a running server to measure; default: start `python -m server serve` here")
+                        help="a running server to measure; default: start `python -m pagedserve serve` here")
     parser.add_argument("--model", default="",
                         help="the model served (and whose tokenizer is used); default: the embedded SmolLM2")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests per run")
@@ -485,8 +485,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_model_tokenizer(model: str) -> tuple[Any, int]:
     """The model's tokenizer and logits width, found as the engine finds them."""
-    from engine.config import EngineArgs, ModelConfig
-    from engine.model.loader import ModelSource, load_tokenizer
+    from pagedserve.engine.config import EngineArgs, ModelConfig
+    from pagedserve.engine.model.loader import ModelSource, load_tokenizer
 
     config = ModelConfig.from_args(EngineArgs(model=model))
     return load_tokenizer(ModelSource(config.path, None, config.served_model_name)), config.vocab_size
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             # Prefix caching off: each run sends the same prompts, so with it every run after the first
             # would skip its prefills (measured: the first free run then looked 10-20% slower).
-            command = [sys.executable, "-m", "server", "serve", "--host", HOST, "--port", str(port),
+            command = [sys.executable, "-m", "pagedserve", "serve", "--host", HOST, "--port", str(port),
                        "--no-enable-prefix-caching", *(["--model", args.model] if args.model else []),
                        *args.server_args]
             log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-so-bench-"))

@@ -49,9 +49,9 @@ from typing import Any
 import torch
 
 from benchmarks.core_requests import CoreRequests
-from benchmarks.dataset import Tokenizer, parse_len_range, sample_requests
 from benchmarks.roofline import DTYPES, cpu_model, num_threads
 from benchmarks.step_profile import ATTENTION_ROW, STEP_REGION, profile_steps
+from pagedserve.server.bench.dataset import Tokenizer, parse_len_range, sample_requests
 
 #: Goals of issue 3: ours / baseline at least this much.
 GOALS = {"batched": 1.0, "sequential": 5.0, "single_decode": 0.9}
@@ -262,13 +262,13 @@ def profile_report(profile: dict[str, Any]) -> str:
 
 def model_folder() -> str:
     """The HF folder the embedded SmolLM2 GGUF is converted into (both engines load it)."""
-    from engine.model.loader import gguf_cache_folder, resolve_model_path
+    from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 
     return gguf_cache_folder(resolve_model_path(None)).path
 
 
 def build_prompts(cfg: BenchConfig, tokenizer: Tokenizer) -> Prompts:
-    """Draw the prompts from ``benchmarks.dataset`` (seeds ``seed``, ``seed + 1``, ``seed + 2``) as token ids."""
+    """Draw the prompts from ``server/bench/dataset.py`` (seeds ``seed``, ``seed + 1``, ``seed + 2``) as token ids."""
     def draw(num: int, lengths: tuple[int, int], seed: int) -> list[list[int]]:
         requests = sample_requests(tokenizer, num, lengths, (cfg.output_len, cfg.output_len), seed)
         return [tokenizer.encode(r.prompt, add_special_tokens=False) for r in requests]
@@ -283,14 +283,14 @@ def build_prompts(cfg: BenchConfig, tokenizer: Tokenizer) -> Prompts:
 
 
 def _greedy(max_tokens: int) -> Any:
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def _load_llm(cfg: BenchConfig) -> tuple[Any, float]:
     """Our ``LLM`` on the embedded model, and its load time in seconds."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     start = time.perf_counter()
     llm = LLM(max_model_len=cfg.max_model_len, kv_cache_memory_bytes=cfg.kv_cache_memory, max_num_seqs=MAX_NUM_SEQS,

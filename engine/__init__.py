@@ -2,9 +2,9 @@
 
 from typing import Any
 
-from engine.config import EngineArgs
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -12,7 +12,7 @@ __all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOu
 def __getattr__(name: str) -> Any:
     # Imported lazily so that the scheduler (which needs no torch) loads without torch.
     if name == "LLM":
-        from engine.llm import LLM
+        from pagedserve.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -34,18 +34,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.config import EngineArgs
-from engine.core.scheduler import SchedulerStats
-from engine.engine_core import EngineCore
-from engine.errors import RequestFailedError
-from engine.input_processor import InputProcessor, ProcessedRequest
-from engine.loading import LoadedEngine, load_engine
-from engine.metrics.loggers import StatLogger
-from engine.metrics.stats import IterationStats, RequestStatsTracker
-from engine.output_processor import OutputProcessor, RequestOutputKind
-from engine.outputs import EngineCoreOutput, RequestOutput
-from engine.request import EngineCoreRequest
-from engine.step_records import StepRecordBuffer
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.errors import RequestFailedError
+from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
+from pagedserve.engine.loading import LoadedEngine, load_engine
+from pagedserve.engine.metrics.loggers import StatLogger
+from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
+from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedserve.engine.outputs import EngineCoreOutput, RequestOutput
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.step_records import StepRecordBuffer
 
 logger = logging.getLogger(__name__)
 

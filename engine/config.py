@@ -158,7 +158,7 @@ class EngineArgs:
             SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
 
 
-#: ``speculative_config`` methods: ngram = prompt lookup (``engine.core.ngram_proposer``).
+#: ``speculative_config`` methods: ngram = prompt lookup (``pagedserve.engine.core.ngram_proposer``).
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -242,7 +242,7 @@ class ModelConfig:
     """The model as the engine serves it, resolved once from ``EngineArgs``.
 
     Attributes:
-        path: a local HF folder (a GGUF file is converted to one once, see ``engine.model.loader``).
+        path: a local HF folder (a GGUF file is converted to one once, see ``pagedserve.engine.model.loader``).
         served_model_name: the name clients use.
         hf_config: the transformers ``PretrainedConfig``.
         max_model_len: longest sequence, in tokens.
@@ -250,7 +250,7 @@ class ModelConfig:
         generation_defaults: ``SamplingParams`` field -> the model's default (``generation_config``).
         quantization: ``EngineArgs.quantization``.
         gguf_path: with ``quantization`` gguf, the GGUF file whose blocks the workers load (staged once,
-            ``engine.model.loader.gguf_block_cache``; ``path`` serves the config and tokenizer only); else
+            ``pagedserve.engine.model.loader.gguf_block_cache``; ``path`` serves the config and tokenizer only); else
             None, the weights are ``path``'s.
     """
 
@@ -274,8 +274,8 @@ class ModelConfig:
             OSError: model files that cannot be read, a cache that cannot be written.
         """
         # Imported here: they need torch and transformers, and the scheduler side imports this module.
-        from engine.generation_config import load_generation_defaults
-        from engine.model.loader import (
+        from pagedserve.engine.generation_config import load_generation_defaults
+        from pagedserve.engine.model.loader import (
             check_quantization,
             check_tensor_parallel_split,
             gguf_block_cache,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -21,17 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.config import EngineConfig, SpeculativeConfig
-from engine.core.draft_proposer import DraftProposer
-from engine.core.ngram_proposer import NgramProposer
-from engine.core.scheduler import Scheduler, SchedulerStats
-from engine.core.spec_decode import DraftGate
-from engine.core.structured_output import StructuredOutputManager
-from engine.executor.abstract import Executor
-from engine.outputs import EngineCoreOutput
-from engine.profiling import region
-from engine.request import EngineCoreRequest, Request, RequestStatus
-from engine.step_records import kv_cache_snapshot, make_step_record, scheduled_requests
+from pagedserve.engine.config import EngineConfig, SpeculativeConfig
+from pagedserve.engine.core.draft_proposer import DraftProposer
+from pagedserve.engine.core.ngram_proposer import NgramProposer
+from pagedserve.engine.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.engine.core.spec_decode import DraftGate
+from pagedserve.engine.core.structured_output import StructuredOutputManager
+from pagedserve.engine.executor.abstract import Executor
+from pagedserve.engine.outputs import EngineCoreOutput
+from pagedserve.engine.profiling import region
+from pagedserve.engine.request import EngineCoreRequest, Request, RequestStatus
+from pagedserve.engine.step_records import kv_cache_snapshot, make_step_record, scheduled_requests
 
 logger = logging.getLogger(__name__)
 

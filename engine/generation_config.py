@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,12 @@ from typing import Any, TypeVar
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from engine.chat_template import chat_prompt_token_ids
-from engine.config import CacheConfig, ModelConfig
-from engine.errors import InvalidRequestError
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from engine.structured_output import GrammarCompiler
+from pagedserve.engine.chat_template import chat_prompt_token_ids
+from pagedserve.engine.config import CacheConfig, ModelConfig
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import GrammarCompiler
 
 #: A prompt as text, or as token ids.
 PromptType = str | list[int]
@@ -118,7 +118,7 @@ class ProcessedRequest:
 class InputProcessor:
     """Tokenizes prompts, renders chat messages and checks requests against the engine's limits.
 
-    Loads nothing (``engine.loading.load_engine`` loads the tokenizer). Thread-safe (reads only immutable
+    Loads nothing (``pagedserve.engine.loading.load_engine`` loads the tokenizer). Thread-safe (reads only immutable
     state; the grammar compiler is thread-safe).
 
     Args:

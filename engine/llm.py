@@ -9,12 +9,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import EngineArgs
-from engine.input_processor import ProcessedRequest, PromptType
-from engine.loading import load_engine
-from engine.output_processor import OutputProcessor, RequestOutputKind
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.input_processor import ProcessedRequest, PromptType
+from pagedserve.engine.loading import load_engine
+from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 class LLM:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.config import EngineArgs, EngineConfig
-from engine.engine_core import EngineCore
-from engine.input_processor import InputProcessor
-from engine.model.loader import ModelSource, load_tokenizer
-from engine.structured_output import GrammarCompiler, GuidanceManager
+from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.model.loader import ModelSource, load_tokenizer
+from pagedserve.engine.structured_output import GrammarCompiler, GuidanceManager
 
 
 class LoadedEngine(NamedTuple):

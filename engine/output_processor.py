@@ -16,16 +16,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError, RequestFailedError
-from engine.outputs import (
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.errors import InvalidRequestError, RequestFailedError
+from pagedserve.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
     FinishReason,
     RequestOutput,
     TokenLogprobs,
 )
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

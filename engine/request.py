@@ -6,9 +6,9 @@ import enum
 import time
 from dataclasses import dataclass
 
-from engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
-from engine.outputs import FinishReason
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
+from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

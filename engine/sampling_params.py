@@ -8,7 +8,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import InvalidRequestError
+from pagedserve.engine.errors import InvalidRequestError
 
 #: Samplers treat temperatures below this as greedy (argmax) decoding.
 GREEDY_TEMPERATURE_EPS = 1e-5

@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.outputs import EngineCoreOutput
-from engine.request import Request
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import SchedulerOutput
+from pagedserve.engine.outputs import EngineCoreOutput
+from pagedserve.engine.request import Request
 
 #: ``kv_cache_snapshot``'s one character per block.
 NULL_BLOCK, USED_BLOCK, CACHED_FREE_BLOCK, FREE_BLOCK = "N", "U", "C", "F"

@@ -3,7 +3,7 @@
     python -P scripts/image_convert_model.py OUTPUT_FOLDER
 
 The image's model build stage runs this. It writes what the engine's own
-conversion (``engine.model.loader.gguf_cache_folder``) writes: config.json, the
+conversion (``pagedserve.engine.model.loader.gguf_cache_folder``) writes: config.json, the
 tokenizer files and float32 weights in model.safetensors, the tied lm_head left
 out; both dequantize through transformers' GGUF reader, and the files came out
 byte-identical when this was written. It uses transformers alone, not

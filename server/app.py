@@ -23,15 +23,15 @@ from fastapi.openapi.utils import get_openapi
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs, parse_size
-from engine.loading import LoadedEngine
-from server import __version__
-from server.chat import create_chat_completion
-from server.completions import create_completion
-from server.dashboard import router as dashboard_router
-from server.dashboard import static_files as dashboard_static_files
-from server.errors import (
+from pagedserve import __version__
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineArgs, parse_size
+from pagedserve.engine.loading import LoadedEngine
+from pagedserve.server.chat import create_chat_completion
+from pagedserve.server.completions import create_completion
+from pagedserve.server.dashboard import router as dashboard_router
+from pagedserve.server.dashboard import static_files as dashboard_static_files
+from pagedserve.server.errors import (
     BodySizeLimitMiddleware,
     ErrorResponse,
     OpenAIError,
@@ -42,10 +42,10 @@ from server.errors import (
     engine_errors,
     model_not_found,
 )
-from server.logging_config import LOG_FORMATS
-from server.metrics import engine_stats
-from server.metrics import router as metrics_router
-from server.protocol import (
+from pagedserve.server.logging_config import LOG_FORMATS
+from pagedserve.server.metrics import engine_stats
+from pagedserve.server.metrics import router as metrics_router
+from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -58,11 +58,11 @@ from server.protocol import (
     TokenizeResponse,
     check_fields,
 )
-from server.responses import ResponseStore, create_response, response_not_found, retrieve_response
-from server.responses_protocol import DeletedResponse, ResponsesRequest
-from server.responses_protocol import Response as ResponsesResponse
-from server.tool_calling import TOOL_PARSER_CHOICES, plan_tools, tool_parser_class
-from server.tool_calling.prompt import render_inputs
+from pagedserve.server.responses import ResponseStore, create_response, response_not_found, retrieve_response
+from pagedserve.server.responses_protocol import DeletedResponse, ResponsesRequest
+from pagedserve.server.responses_protocol import Response as ResponsesResponse
+from pagedserve.server.tool_calling import TOOL_PARSER_CHOICES, plan_tools, tool_parser_class
+from pagedserve.server.tool_calling.prompt import render_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +328,7 @@ async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeRespo
 
 def _install_openapi(app: FastAPI, api_key_set: bool) -> None:
     """Make the spec say what the server answers: no 422 (validation errors are 400s, see
-    ``server.errors``), a 401 on the protected routes when an API key is set, and /metrics as
+    ``pagedserve.server.errors``), a 401 on the protected routes when an API key is set, and /metrics as
     Prometheus text."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -5,7 +5,7 @@ vLLM's ``prompt_logprobs`` come at the top of the response, in vLLM's shape.
 A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice
 (then, with vLLM's ``echo``, one delta per choice with the echoed content).
 With ``tools``, the reply is split into ``content`` and ``tool_calls`` by the model's tool parser
-(``server.tool_calling``), whole or delta by delta.
+(``pagedserve.server.tool_calling``), whole or delta by delta.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
-from engine.async_llm import AsyncLLM
-from engine.input_processor import run_off_loop
-from engine.output_processor import RequestOutputKind
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from engine.sampling_params import StructuredOutputsParams
-from server.errors import (
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.input_processor import run_off_loop
+from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.server.errors import (
     bad_request,
     check_model,
     engine_errors,
 )
-from server.protocol import (
+from pagedserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -47,10 +47,10 @@ from server.protocol import (
     sse_response,
     unix_time,
 )
-from server.tool_calling import ToolParser, plan_tools, tool_parser_class
-from server.tool_calling.output import StreamedReply, reply_message
-from server.tool_calling.output import finish_reason as tool_finish_reason
-from server.tool_calling.prompt import render_inputs
+from pagedserve.server.tool_calling import ToolParser, plan_tools, tool_parser_class
+from pagedserve.server.tool_calling.output import StreamedReply, reply_message
+from pagedserve.server.tool_calling.output import finish_reason as tool_finish_reason
+from pagedserve.server.tool_calling.prompt import render_inputs
 
 
 def _check_supported(request: ChatCompletionRequest) -> None:

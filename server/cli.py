@@ -1,4 +1,4 @@
-"""The ``pagedserve`` command (also ``python -m server``).
+"""The ``pagedserve`` command (also ``python -m pagedserve``).
 
 ``pagedserve serve [MODEL] [--config FILE.yaml] [--FLAG VALUE ...]`` runs the
 server; ``pagedserve bench serve ...`` load-tests a running one.
@@ -8,7 +8,7 @@ and a key of the YAML file (``max_model_len:``); flags and help are generated
 from the dataclass fields and their metadata (help, unit, choices). Precedence,
 highest first: flags, the YAML file, ``PAGEDSERVE_API_KEY`` (for ``api_key``),
 the dataclass defaults. ``--num-replicas N`` (above 1) runs N engines on Ray Serve instead, behind one
-address, with the other ``ReplicaSettings`` flags (``server.replicas``, docs/replicas.md).
+address, with the other ``ReplicaSettings`` flags (``pagedserve.server.replicas``, docs/replicas.md).
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import uvicorn
 import yaml
 from sse_starlette.sse import AppStatus
 
-from benchmarks import serve as bench_serve
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from server.app import ServerArgs, build_app
-from server.config_table import SETTINGS_CLASSES, shown_default
-from server.connections import GuardedH11Protocol
-from server.logging_config import log_config
-from server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs, build_app
+from pagedserve.server.config_table import SETTINGS_CLASSES, shown_default
+from pagedserve.server.connections import GuardedH11Protocol
+from pagedserve.server.logging_config import log_config
+from pagedserve.server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 #: After the drain timeout, how long the requests still running have to send their error and close.
@@ -76,7 +75,8 @@ def _flag_options(hint: Any, f: dataclasses.Field) -> dict[str, Any]:
     kind = str if str in accepted else accepted[0]
     choices = f.metadata.get("choices")
     if choices:
-        return {"type": kind, "choices": list(choices)}  # argparse shows them as {a,b,c}
+        # argparse shows them as {a,b,c}; None (unset, the default) is no value a flag can spell.
+        return {"type": kind, "choices": [c for c in choices if c is not None]}
     return {"type": kind, "metavar": (f.metadata.get("unit") or f.name).upper()}
 
 
@@ -212,7 +212,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then let in-flight requests finish (up to
     ``shutdown_timeout``), end the rest with an error (an SSE error event and ``[DONE]`` for a stream)
-    and stop the engine. Slow clients are cut off (``server.connections``).
+    and stop the engine. Slow clients are cut off (``pagedserve.server.connections``).
 
     Returns:
         The process's exit code: 0 after a stop, 1 when the engine died (the server stops at once,
@@ -268,7 +268,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.config.dictConfig(log_config(server_args.log_format))
     try:
         if replicas.num_replicas > 1:
-            from server.replicas.launch import serve_replicas  # imports ray: the ray extra
+            from pagedserve.server.replicas.launch import serve_replicas  # imports ray: the ray extra
 
             return serve_replicas(engine_args, server_args, replicas)
         return serve(engine_args, server_args)
@@ -277,7 +277,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``pagedserve`` parser; each subcommand sets ``run(parser, args) -> exit code``."""
+    """The ``pagedserve`` parser; ``serve`` sets ``run(args) -> exit code``, ``bench serve`` parses its own options."""
     parser = argparse.ArgumentParser(prog="pagedserve", description="OpenAI-compatible LLM server.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -293,14 +293,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.set_defaults(run=_run_serve)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
-    bench_parser = bench.add_parser("serve", help="load-test a running server (benchmarks/serve.py)",
-                                    description=bench_serve.__doc__)
-    bench_serve.add_cli_args(bench_parser)
-    bench_parser.set_defaults(run=bench_serve.run)
+    # Its options are the load generator's own (``pagedserve bench serve --help``): it is imported only when
+    # this subcommand runs, so that ``serve`` loads no benchmark code.
+    bench.add_parser("serve", help="load-test a running server", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pagedserve`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from pagedserve.server.bench import serve
+
+        return serve.main(rest, prog="pagedserve bench serve")
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.run(args)

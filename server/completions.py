@@ -19,16 +19,16 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
-from engine.async_llm import AsyncLLM
-from engine.input_processor import ProcessedRequest, PromptType, run_off_loop
-from engine.output_processor import RequestOutputKind
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from server.errors import (
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.input_processor import ProcessedRequest, PromptType, run_off_loop
+from pagedserve.engine.output_processor import RequestOutputKind
+from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.server.errors import (
     bad_request,
     check_model,
     engine_errors,
 )
-from server.protocol import (
+from pagedserve.server.protocol import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionRequest,

@@ -3,7 +3,7 @@
 Every ``EngineArgs`` and ``ServerArgs`` field is a YAML key and a flag; its
 metadata (help, unit, choices) and default are the single source of the
 ``--help`` text, this table and the checks on ``configs/*.yaml``.
-``python -m server.config_table`` prints the table; paste it into README.md
+``python -m pagedserve.config_table`` prints the table; paste it into README.md
 between the ``<!-- config-table:start -->`` and ``<!-- config-table:end -->``
 markers (a test fails when the two differ).
 """
@@ -14,8 +14,8 @@ import dataclasses
 import typing
 from typing import Any
 
-from engine.config import EngineArgs
-from server.app import ServerArgs
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs
 
 SETTINGS_CLASSES = (EngineArgs, ServerArgs)
 TABLE_START = "<!-- config-table:start -->"

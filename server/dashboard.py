@@ -23,9 +23,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
-from engine.async_llm import AsyncLLM
-from engine.step_records import StepRecordBuffer
-from server.errors import OpenAIError, engine_errors
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.step_records import StepRecordBuffer
+from pagedserve.server.errors import OpenAIError, engine_errors
 
 STATIC_DIR = Path(__file__).parent / "static"
 #: Records a browser gets per second by default: enough for the timeline, cheap to draw.

@@ -14,9 +14,9 @@ from contextlib import asynccontextmanager, suppress
 from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.async_llm import AsyncLLM
-from engine.metrics.loggers import LoggingStatLogger, StatLogger
-from engine.metrics.prometheus import PrometheusStatLogger
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.metrics.loggers import LoggingStatLogger, StatLogger
+from pagedserve.engine.metrics.prometheus import PrometheusStatLogger
 
 router = APIRouter()
 

@@ -41,11 +41,11 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 from typing_extensions import TypedDict
 
-from engine.errors import InvalidRequestError
-from engine.input_processor import run_off_loop
-from engine.outputs import FinishReason, TokenLogprobs
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from server.errors import OpenAIError, bad_request, shorten
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.input_processor import run_off_loop
+from pagedserve.engine.outputs import FinishReason, TokenLogprobs
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.server.errors import OpenAIError, bad_request, shorten
 
 logger = logging.getLogger(__name__)
 

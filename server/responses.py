@@ -3,7 +3,7 @@
 A request becomes a ``ChatCompletionRequest`` (``chat_request``): ``instructions`` a system message
 first, then the conversation stored under ``previous_response_id``, then the ``input`` items
 (messages as they are; ``function_call`` items the assistant's ``tool_calls``, consecutive ones in
-one assistant message; ``function_call_output`` items ``tool`` messages). ``server.chat`` runs it,
+one assistant message; ``function_call_output`` items ``tool`` messages). ``pagedserve.server.chat`` runs it,
 and its answer comes back as a ``Response``; its stream of chunks as OpenAI's typed events, each
 ``event: <type>`` and ``data: {..., "sequence_number"}``, ending with ``response.completed``,
 ``response.incomplete`` (cut at ``max_output_tokens``) or ``response.failed``, without ``[DONE]``,
@@ -36,10 +36,10 @@ from pydantic import BaseModel
 from pydantic_core import to_json
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from engine.async_llm import AsyncLLM
-from server.chat import run_chat
-from server.errors import OpenAIError
-from server.protocol import (
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.server.chat import run_chat
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -58,7 +58,7 @@ from server.protocol import (
     UsageInfo,
     unix_time,
 )
-from server.responses_protocol import (
+from pagedserve.server.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,

@@ -1,6 +1,6 @@
 """Request and response bodies of ``/v1/responses``, OpenAI's Responses API, in OpenAI's shapes.
 
-``server.responses`` serves them by translating to and from chat completions. A request is read
+``pagedserve.server.responses`` serves them by translating to and from chat completions. A request is read
 as chat's are (``RequestBody``: strict types, valid Unicode, unknown fields logged); what it asks
 for that this server does not have is a 400 naming it: input items or content parts other than text
 (``input_image``, ``input_file``, ``reasoning``, ...), built-in tools (``web_search``,
@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from server.errors import OpenAIError, bad_request
-from server.protocol import (
+from pagedserve.server.errors import OpenAIError, bad_request
+from pagedserve.server.protocol import (
     UNSUPPORTED_FIELDS,
     Number,
     OpenAIBaseModel,

@@ -40,10 +40,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from server.app import ServerArgs, build_app
-from server.connections import GuardedH11Protocol
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs, build_app
+from pagedserve.server.connections import GuardedH11Protocol
 
 #: Small enough to start fast on a shared 2-core machine.
 TEST_ENGINE_ARGS = {"max_model_len": 2048, "kv_cache_memory_bytes": "256MiB"}
@@ -199,7 +199,7 @@ def healthy(url: str) -> bool:
 def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequence[str] = (sys.executable,),
                cwd: Path | None = None, env: Mapping[str, str] | None = None
                ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``python -m server serve --port P ARGS`` (or ``python -c CODE serve ...``) as its own process,
+    """Run ``python -m pagedserve serve --port P ARGS`` (or ``python -c CODE serve ...``) as its own process,
     logging to ``tmp_path/server.log``; yields ``(url, process)`` once healthy and kills it at exit.
 
     Args:
@@ -208,7 +208,7 @@ def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequ
     """
     port = free_port()
     log = (tmp_path / "server.log").open("w")
-    program = ["-c", code] if code else ["-m", "server"]
+    program = ["-c", code] if code else ["-m", "pagedserve"]
     process = subprocess.Popen([*python, *program, "serve", "--port", str(port), *args], stdout=log,
                                stderr=subprocess.STDOUT, cwd=cwd,
                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import SchedulerOutput
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import SchedulerOutput
+from pagedserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from engine.model.attention import AttentionMetadata
+from pagedserve.engine.model.attention import AttentionMetadata
 
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

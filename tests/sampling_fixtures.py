@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS
-from engine.worker.sampling_metadata import LogitBias, SamplingMetadata
+from pagedserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
+from pagedserve.engine.worker.sampling_metadata import LogitBias, SamplingMetadata
 
 
 def _per_row(value: float | Sequence[float], batch_size: int, dtype: torch.dtype) -> torch.Tensor:

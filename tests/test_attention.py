@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.attention import (
+from pagedserve.engine.model.attention import (
     AttentionMetadata,
     attention_backends_for,
     check_attention_backend,
     get_attention_backend,
 )
-from engine.model.torch_attention import TorchAttentionBackend
+from pagedserve.engine.model.torch_attention import TorchAttentionBackend
 from tests.model_fixtures import build_metadata
 
 NUM_KV_HEADS = 2
@@ -143,7 +143,7 @@ def test_step_keys_and_values_land_in_their_slots(backend: str, query_lens: list
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Also where the CPU kernel writes them itself (a decode-only step: the torch plan must not run), from
     views of a wider tensor as the model hands them over (its QKV output)."""
-    from engine.model.cpu_attention import load_kernel
+    from pagedserve.engine.model.cpu_attention import load_kernel
 
     query, key, value, kv_cache, metadata, _ = make_step(query_lens, [0, 20], NUM_KV_HEADS * 2, 16)
     query, kv_cache = query.to(dtype), kv_cache.to(dtype)
@@ -218,9 +218,9 @@ def test_backend_refuses_a_cache_with_other_blocks_than_it_was_built_for() -> No
 
 
 def test_backends_declare_their_devices_and_cuda_graph_support() -> None:
-    from engine.model.cpu_attention import CpuAttentionBackend
-    from engine.model.torch_attention import TorchAttentionBackend
-    from engine.model.triton_attention import TritonAttentionBackend
+    from pagedserve.engine.model.cpu_attention import CpuAttentionBackend
+    from pagedserve.engine.model.torch_attention import TorchAttentionBackend
+    from pagedserve.engine.model.triton_attention import TritonAttentionBackend
 
     assert {"cpu", "torch"} <= set(attention_backends_for("cpu"))
     assert attention_backends_for(torch.device("cuda")) == ["torch", "triton"]
@@ -242,7 +242,7 @@ def test_a_backend_on_a_device_it_does_not_run_on_is_refused_naming_the_setting(
 @pytest.mark.parametrize("head_dim", [64, 128])  # the kernel's compile-time specialisations
 @pytest.mark.parametrize("num_decodes", [1, 5])  # fewer requests than threads: split by kv head
 def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dtype: torch.dtype) -> None:
-    from engine.model.cpu_attention import paged_decode_attention
+    from pagedserve.engine.model.cpu_attention import paged_decode_attention
 
     context_lens = [5, 40, 16, 33, 70][:num_decodes]
     query, key, value, kv_cache, metadata, full_kv = make_step([1] * num_decodes, context_lens, NUM_KV_HEADS * 3,
@@ -258,7 +258,7 @@ def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dt
 
 def test_cpu_decode_kernel_refuses_shapes_beyond_its_buffers() -> None:
     """256 query heads of 32 channels fit the query buffer but not the per-head softmax state."""
-    from engine.model.cpu_attention import paged_decode_attention
+    from pagedserve.engine.model.cpu_attention import paged_decode_attention
 
     query = torch.randn(1, 256, 32)
     kv_cache = torch.zeros(2, 2, 16, 16, 32)
@@ -270,7 +270,7 @@ def test_cpu_decode_kernel_refuses_shapes_beyond_its_buffers() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_kernel_compiles_and_is_used(dtype: torch.dtype) -> None:
     """The C kernel must really run here for both cache dtypes, not silently fall back to torch."""
-    from engine.model.cpu_attention import load_kernel, paged_decode_attention
+    from pagedserve.engine.model.cpu_attention import load_kernel, paged_decode_attention
 
     assert load_kernel() is not None
     query, _, _, kv_cache, metadata, _ = make_step([1, 1], [5, 40], NUM_KV_HEADS * 3, 16)
@@ -287,7 +287,7 @@ PREFILL_KERNEL_STEP = ([200, 7, 70], [0, 37, 130])
 def check_prefill_kernel(queries_per_kv: int, head_dim: int, dtype: torch.dtype, amx: bool,
                          extra_flags: tuple[str, ...] = ()) -> None:
     """The prefill kernel on ``PREFILL_KERNEL_STEP`` against ``reference_attention``."""
-    from engine.model.cpu_attention import paged_prefill_attention, prefill_kernel_amx
+    from pagedserve.engine.model.cpu_attention import paged_prefill_attention, prefill_kernel_amx
 
     query_lens, context_lens = PREFILL_KERNEL_STEP
     query, key, value, kv_cache, common, full_kv = make_step(query_lens, context_lens,
@@ -331,7 +331,7 @@ def test_cpu_prefill_kernel_built_for_an_avx2_only_cpu(dtype: torch.dtype) -> No
 
 def test_cpu_prefill_kernel_refuses_shapes_it_lacks_and_the_backend_falls_back() -> None:
     """head_dim 36 is not a multiple of 8: the kernel declines and the torch path answers."""
-    from engine.model.cpu_attention import paged_prefill_attention
+    from pagedserve.engine.model.cpu_attention import paged_prefill_attention
 
     query_lens, context_lens = SCENARIOS["chunked_prefill_with_context"]
     query, key, value, kv_cache, common, full_kv = make_step(query_lens, context_lens, NUM_KV_HEADS * 2, 16,

@@ -1,21 +1,23 @@
-"""Benchmark plots (benchmarks/plots.py): PNGs written and readable, empty input refused.
+"""Benchmark plots (server/bench/plots.py): PNGs written and readable, empty input refused.
 
 No server or model: results are built from synthetic timestamps, except one run of
-``benchmarks.serve.main --plot`` against the tiny in-process fake server of test_benchmarks.
+``pagedserve.server.bench.serve.main --plot`` against the tiny in-process fake server of test_benchmarks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fastapi import FastAPI
 from matplotlib.image import imread
 
-from benchmarks import plots, serve
-from benchmarks.metrics import compute_metrics, result_from_timestamps
-from benchmarks.serve import TimedResult
+from pagedserve.server.bench import plots, serve
+from pagedserve.server.bench.metrics import compute_metrics, result_from_timestamps
+from pagedserve.server.bench.serve import TimedResult
 from tests.test_benchmarks import WordTokenizer, fake_app, fake_server  # noqa: F401 (fixtures)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -134,7 +136,7 @@ def test_empty_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
 
 def test_serve_plot_flag_draws_a_real_run(fake_server: str, tmp_path: Path,  # noqa: F811 (fixture)
                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: WordTokenizer())
+    monkeypatch.setattr("pagedserve.server.bench.serve.load_tokenizer", lambda name: WordTokenizer())
     out = tmp_path / "run.png"
     argv = ["--base-url", fake_server, "--num-prompts", "4", "--max-concurrency", "2", "--input-len", "4",
             "--output-len", "5", "--no-progress", "--plot", str(out)]
@@ -152,3 +154,17 @@ def test_chunk_times_place_a_result_on_the_run_clock() -> None:
     result = _timed(2.0, [2.5, 2.6, 2.8], output_tokens=3)
     assert result.chunk_times_s() == pytest.approx([2.5, 2.6, 2.8])
     assert TimedResult(success=False).chunk_times_s() == []
+
+
+def test_plot_without_matplotlib_fails_before_the_run(fake_server: str, fake_app: FastAPI,  # noqa: F811 (fixture)
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    loaded = []
+    monkeypatch.setattr("pagedserve.server.bench.serve.load_tokenizer", lambda name: loaded.append(name))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name == "matplotlib" else find_spec(name, *args))
+    fake_app.state.authorizations.clear()
+    assert serve.main(["--base-url", fake_server, "--no-progress", "--plot", "run.png"]) == 1
+    assert capsys.readouterr().err == "error: --plot needs matplotlib: pip install 'matplotlib>=3.8'\n"
+    assert not loaded and not fake_app.state.authorizations  # no tokenizer, no request: the run never began

@@ -22,10 +22,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from benchmarks import serve
-from benchmarks.dataset import SyntheticRequest, parse_len_range, sample_requests
-from benchmarks.metrics import RequestResult, compute_metrics, result_from_timestamps
+from pagedserve.server.bench import serve
 from benchmarks.roofline import decode_bandwidth_bound_s, model_flops_utilisation
+from pagedserve.server.bench.dataset import SyntheticRequest, parse_len_range, sample_requests
+from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
 
 FAKE_TOKENS = ["alpha", "beta", "gamma", "delta", "epsilon"]  # streamed one per chunk
 FAKE_PROMPT_TOKENS = 7
@@ -195,7 +195,7 @@ def test_serve_falls_back_to_the_tokenizer_without_usage(fake_server: str) -> No
 
 def test_serve_main_writes_the_result_json(fake_server: str, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: WordTokenizer())
+    monkeypatch.setattr("pagedserve.server.bench.serve.load_tokenizer", lambda name: WordTokenizer())
     out = tmp_path / "result.json"
     code = serve.main(["--base-url", fake_server, "--num-prompts", "3", "--input-len", "4:6",
                        "--output-len", "5", "--ignore-eos", "--request-rate", "100",
@@ -208,7 +208,7 @@ def test_serve_main_writes_the_result_json(fake_server: str, tmp_path: Path,
 
 def test_api_key_is_sent_as_a_bearer_token_on_every_request(
         fake_server: str, fake_app: FastAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: WordTokenizer())
+    monkeypatch.setattr("pagedserve.server.bench.serve.load_tokenizer", lambda name: WordTokenizer())
     monkeypatch.setenv("OPENAI_API_KEY", "from-env")
     out = tmp_path / "result.json"
     fake_app.state.authorizations.clear()
@@ -229,7 +229,7 @@ def test_api_key_is_sent_as_a_bearer_token_on_every_request(
 def test_refused_api_key_is_one_line_not_a_traceback(fake_server: str, capsys: pytest.CaptureFixture,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = []
-    monkeypatch.setattr("benchmarks.model_files.load_tokenizer", lambda name: loaded.append(name))
+    monkeypatch.setattr("pagedserve.server.bench.serve.load_tokenizer", lambda name: loaded.append(name))
     code = serve.main(["--base-url", fake_server, "--api-key", FAKE_REFUSED_KEY.removeprefix("Bearer "),
                        "--no-progress"])
     err = capsys.readouterr().err
@@ -325,7 +325,7 @@ def test_requantized_files_are_made_once_by_llama_quantize(tmp_path: Path, monke
 def test_the_amx_permission_preload_builds_and_loads_anywhere() -> None:
     """On a CPU without AMX its request fails harmlessly; run_all preloads it only where /proc/cpuinfo has AMX."""
     from benchmarks import run_all
-    from engine.model.c_kernels import load_c_library
+    from pagedserve.engine.model.c_kernels import load_c_library
 
     lib = load_c_library(Path(run_all.__file__).parent / "baselines" / "amx_permission.c", "a test")
     assert lib is not None and lib.amx_permission_loaded() == 1

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineArgs, parse_size
-from server.app import ServerArgs
-from server.cli import build_parser, load_config_file, resolve_settings
-from server.config_table import SETTINGS_CLASSES, readme_table, render_config_table, shown_default
+from pagedserve.engine.config import EngineArgs, parse_size
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.cli import build_parser, load_config_file, resolve_settings
+from pagedserve.server.config_table import SETTINGS_CLASSES, readme_table, render_config_table, shown_default
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -94,7 +94,7 @@ def test_flags_override_the_config_file() -> None:
 def test_readme_configuration_table_is_the_generated_one() -> None:
     readme = ROOT / "README.md"
     how = ("put `<!-- config-table:start -->` and `<!-- config-table:end -->` in README.md and paste the output "
-           "of `python -m server.config_table` between them")
+           "of `python -m pagedserve.config_table` between them")
     if not readme.is_file():
         pytest.fail(f"README.md is missing: write it, then {how}")
     table = readme_table(readme.read_text())

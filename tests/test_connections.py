@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from server.connections import GuardedH11Protocol
+from pagedserve.server.connections import GuardedH11Protocol
 from tests.conftest import free_port
 
 TIMEOUT_S = 0.5

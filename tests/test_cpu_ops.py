@@ -1,4 +1,4 @@
-"""The fused CPU elementwise ops (``engine.model.cpu_ops``) against the layers' torch reference arithmetic.
+"""The fused CPU elementwise ops (``pagedserve.engine.model.cpu_ops``) against the layers' torch reference arithmetic.
 
 float32 may differ from torch in summation order only (relative 1e-6); bfloat16
 rounds once where torch rounds after every op, so results may differ by one
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_ops
+from pagedserve.engine.model import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops._library() is None, reason="no C compiler: the fused ops fall back")
 

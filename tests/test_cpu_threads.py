@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from engine.config import EngineArgs
-from engine.model.cpu_threads import all_threads, serial_elementwise, small_step_threads, threads_at_most
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.model.cpu_threads import all_threads, serial_elementwise, small_step_threads, threads_at_most
 from tests.conftest import Served
 
 

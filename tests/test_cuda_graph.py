@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.worker.cuda_graph import CudaGraphRunner, DecodeBuffers, capture_sizes, padded_batch_size
+from pagedserve.engine.worker.cuda_graph import CudaGraphRunner, DecodeBuffers, capture_sizes, padded_batch_size
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.config import EngineArgs
-from server.app import ServerArgs
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs
 from tests.conftest import Served
 
 RECORD_FIELDS = {"step", "time", "duration_ms", "num_scheduled_tokens", "max_num_batched_tokens", "num_running",

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine.detokenizer import MAX_INCOMPLETE_CHAR_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.detokenizer import MAX_INCOMPLETE_CHAR_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from pagedserve.engine.sampling_params import SamplingParams
 
 # Chinese, emoji (with ZWJ sequences and a flag), accents, code: many characters
 # here are split across several byte-level tokens.

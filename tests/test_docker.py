@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import loader
-from server.cli import build_parser, resolve_settings
+from pagedserve.engine.model import loader
+from pagedserve.server.cli import build_parser, resolve_settings
 
 pytestmark = pytest.mark.infra
 
@@ -109,7 +109,7 @@ def image_settings(device: str, arguments: list[str], tmp_path: Path, **environm
 @pytest.mark.parametrize("device, config", [("cpu", "default.yaml"), ("cuda", "cuda.yaml")])
 def test_image_command_line_parses_with_the_cli(device: str, config: str, tmp_path: Path) -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["pagedserve"] == "server.cli:main"
+    assert scripts["pagedserve"] == "pagedserve.server.cli:main"
     engine_args, server_args, command = image_settings(device, [], tmp_path)
     assert command[command.index("--config") + 1] == f"{ROOT}/configs/{config}"
     assert engine_args.device == device

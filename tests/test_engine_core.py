@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineArgs, EngineConfig
-from engine.engine_core import EngineCore
-from engine.model.loader import load_hf_config, load_model, resolve_model_path
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from engine.worker.worker import profile_forward, resolve_device
+from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.model.loader import load_hf_config, load_model, resolve_model_path
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.worker.worker import profile_forward, resolve_device
 from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
 
 
@@ -45,7 +45,7 @@ def test_auto_device_picks_cpu_without_cuda(tiny_folder):
 
 
 def test_attention_backend_is_checked_against_the_device(tiny_folder, monkeypatch):
-    from engine.model.triton_attention import TritonAttentionBackend
+    from pagedserve.engine.model.triton_attention import TritonAttentionBackend
 
     assert make_core(model=tiny_folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
                      attention_backend="torch").executor.worker.attention_backend == "torch"
@@ -106,7 +106,7 @@ def test_abort_is_applied_and_reported_in_a_cleanup_step(tiny_folder):
 
 def test_prompt_logprobs_are_reported_once_despite_preemption(tiny_folder):
     """Regression: a preempted request recomputes its prompt and used to report its logprobs again."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     llm = LLM(tiny_folder, max_model_len=128, block_size=4, num_gpu_blocks_override=13,
               long_prefill_token_threshold=4)
@@ -132,7 +132,7 @@ def test_kv_cache_too_small_for_one_max_model_len_request_is_a_start_up_error(ti
 
 
 def test_default_cpu_kv_cache_follows_available_memory(tiny_folder, monkeypatch):
-    from engine.worker import kv_cache
+    from pagedserve.engine.worker import kv_cache
 
     assert kv_cache.default_cpu_kv_cache_bytes(available=64 * 2**30) == 2 * 2**30
     assert kv_cache.default_cpu_kv_cache_bytes(available=2**30) == 2**29

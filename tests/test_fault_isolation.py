@@ -16,20 +16,20 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs, EngineConfig
-from engine.core.scheduler import Scheduler
-from engine.engine_core import EngineCore
-from engine.errors import RequestFailedError
-from engine.input_processor import InputProcessor
-from engine.model.loader import gguf_cache_folder, resolve_model_path
-from engine.outputs import FinishReason
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from engine.worker import model_runner
-from engine.worker.input_batch import InputBatch
-from engine.worker.model_runner import ModelRunner
-from engine.worker.sampler import Sampler
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.errors import RequestFailedError
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
+from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.worker import model_runner
+from pagedserve.engine.worker.input_batch import InputBatch
+from pagedserve.engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.sampler import Sampler
 
 PROMPTS = {"a": [3, 14, 15, 92, 65], "b": [35, 89, 79, 32, 38, 46, 26, 43], "c": [7, 1]}
 PARAMS = {
@@ -253,7 +253,7 @@ def test_the_server_answers_a_failed_request_with_a_500_and_serves_the_others(se
 def test_llm_raises_for_a_failed_request_and_serves_the_next_call(monkeypatch):
     """Offline: ``generate`` returns all or nothing, so a failed request is an error for the call; the
     other requests are aborted and the engine serves the next call."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
         InputBatch.add_request, "insert injected", lambda self, state: state.sampling_params.seed, bad=FAULTY_SEED))

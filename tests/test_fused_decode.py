@@ -1,4 +1,4 @@
-"""The fused decode step (``engine.model.fused_decode``) against the layer-by-layer path it replaces.
+"""The fused decode step (``pagedserve.engine.model.fused_decode``) against the layer-by-layer path it replaces.
 
 On quantized models the fused call runs the same kernels' code with the same
 roundings, so its final hidden states and the keys and values it writes must
@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from benchmarks.quant_error import use_kernel
-from engine.llm import LLM
-from engine.model import fused_decode
-from engine.model.fused_decode import MAX_DENSE_ROWS, MAX_ROWS, FusedDecoder
-from engine.model.loader import load_hf_config, load_model, resolve_model_path
-from engine.sampling_params import SamplingParams
-from engine.worker.model_runner import RESERVED_CORES_MAX_TOKENS
+from pagedserve.engine.llm import LLM
+from pagedserve.engine.model import fused_decode
+from pagedserve.engine.model.fused_decode import MAX_DENSE_ROWS, MAX_ROWS, FusedDecoder
+from pagedserve.engine.model.loader import load_hf_config, load_model, resolve_model_path
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.worker.model_runner import RESERVED_CORES_MAX_TOKENS
 from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
 
 CPU = torch.device("cpu")

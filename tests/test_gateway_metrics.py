@@ -19,8 +19,8 @@ import httpx
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics.prometheus import GATEWAY_ALIASES, PrometheusStatLogger
-from engine.metrics.stats import IterationStats
+from pagedserve.engine.metrics.prometheus import GATEWAY_ALIASES, PrometheusStatLogger
+from pagedserve.engine.metrics.stats import IterationStats
 from tests.conftest import Served
 from tests.test_metrics import scheduler_stats
 from tests.test_server import wait_until_idle

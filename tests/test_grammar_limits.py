@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import compiler as compiler_module
-from engine.structured_output.compiler import (
+from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.engine.structured_output import compiler as compiler_module
+from pagedserve.engine.structured_output.compiler import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_PROPERTIES,
@@ -30,7 +30,7 @@ from engine.structured_output.compiler import (
     SMALL_GRAMMAR_CHARS,
     GrammarCompiler,
 )
-from engine.structured_output.manager import GuidanceManager
+from pagedserve.engine.structured_output.manager import GuidanceManager
 from tests.conftest import Served
 
 ASK = [{"role": "user", "content": "Answer in JSON."}]

@@ -13,11 +13,11 @@ import dataclasses
 
 import numpy as np
 
-from engine.config import EngineArgs, EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.engine_core import EngineCore
-from engine.request import EngineCoreRequest, Request
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.request import EngineCoreRequest, Request
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 VOCAB = 256
 ALLOWED = [3, 40, 77, 255]

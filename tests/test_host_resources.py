@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.worker.host_resources import (
+from pagedserve.engine.worker.host_resources import (
     available_cores,
     available_memory_bytes,
     cgroup_cpu_quota,

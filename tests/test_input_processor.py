@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from engine.config import CacheConfig, ModelConfig
-from engine.errors import InvalidRequestError
-from engine.input_processor import InputProcessor
-from engine.model.loader import gguf_cache_folder, resolve_model_path
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import CacheConfig, ModelConfig
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
+from pagedserve.engine.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 64
 VOCAB_SIZE = 49152

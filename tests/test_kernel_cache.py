@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model import c_kernels, cpu_attention
-from engine.model.cpu_attention import load_kernel, paged_decode_attention
+from pagedserve.engine.model import c_kernels, cpu_attention
+from pagedserve.engine.model.cpu_attention import load_kernel, paged_decode_attention
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +74,7 @@ def test_missing_source_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch, tmp
 
 def test_backend_decodes_through_torch_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the engine sees when the kernel cannot be had: the same numbers from the torch path."""
-    from engine.model.attention import get_attention_backend
+    from pagedserve.engine.model.attention import get_attention_backend
     from tests.test_attention import NUM_KV_HEADS, make_step
 
     query, key, value, kv_cache, metadata, _ = make_step([1, 1], [5, 40], NUM_KV_HEADS * 3, 16)

@@ -27,8 +27,8 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from engine.metrics.prometheus import PrometheusStatLogger
-from server.app import ServerArgs, build_app
+from pagedserve.engine.metrics.prometheus import PrometheusStatLogger
+from pagedserve.server.app import ServerArgs, build_app
 
 pytestmark = pytest.mark.infra
 
@@ -225,7 +225,7 @@ def test_gateway_resources_match_their_crds(file: str, schema: dict[str, Any]) -
 
 
 def test_probes_ask_routes_the_app_serves_on_the_container_port(server: dict[str, Any]) -> None:
-    """Every probe is an HTTP GET that ``server.app`` answers itself (not a 404 or 405), on the port the
+    """Every probe is an HTTP GET that ``pagedserve.server.app`` answers itself (not a 404 or 405), on the port the
     container listens on. Asked before the engine has started, /health answers 503 (the engine is not
     running), which is what keeps a loading pod out of the Service."""
     spec = container(server, "pagedserve")

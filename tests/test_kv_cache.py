@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_cache_utils import ROOT_BLOCK_HASH, hash_block_tokens
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.kv_cache_utils import ROOT_BLOCK_HASH, hash_block_tokens
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 def test_free_queue_removes_from_the_middle_and_keeps_order():

@@ -18,17 +18,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from engine.model.layers import QKNorm
-from engine.model.linear import (
+from pagedserve.engine.model.layers import QKNorm
+from pagedserve.engine.model.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from engine.model.linear_methods import UnquantizedLinearMethod
-from engine.model.parallel import TensorParallel
-from engine.model.registry import model_class
-from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.engine.model.linear_methods import UnquantizedLinearMethod
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.registry import model_class
+from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from tests.model_fixtures import build_metadata, tiny_hf_model
 
 PLAIN = UnquantizedLinearMethod()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
-from engine.model.loader import gguf_cache_folder, resolve_model_path
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 from tests.model_fixtures import tiny_hf_model
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,7 @@ def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path,
 
 
 def test_invalid_requests_are_refused_naming_the_field_before_anything_is_queued():
-    from engine.errors import InvalidRequestError
+    from pagedserve.engine.errors import InvalidRequestError
 
     llm = LLM(max_model_len=64, kv_cache_memory_bytes="16MiB")
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

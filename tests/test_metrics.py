@@ -18,15 +18,15 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import server
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode import SpecDecodingStats
-from engine.metrics.loggers import LoggingStatLogger
-from engine.metrics.prometheus import SPEC_DECODE_ALIASES, PrometheusStatLogger, buckets_1_2_5
-from engine.metrics.stats import IterationStats, RequestStatsTracker
-from engine.outputs import EngineCoreOutput, FinishReason
-from server.app import ServerArgs, build_app
-from server.logging_config import JsonFormatter, log_config
+import pagedserve
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.core.spec_decode import SpecDecodingStats
+from pagedserve.engine.metrics.loggers import LoggingStatLogger
+from pagedserve.engine.metrics.prometheus import SPEC_DECODE_ALIASES, PrometheusStatLogger, buckets_1_2_5
+from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
+from pagedserve.engine.outputs import EngineCoreOutput, FinishReason
+from pagedserve.server.app import ServerArgs, build_app
+from pagedserve.server.logging_config import JsonFormatter, log_config
 from tests.conftest import Served, cli_server, sse_payloads
 from tests.test_server import wait_until_idle
 from tests.test_spec_decode import NGRAM, PASSAGE
@@ -129,7 +129,7 @@ def test_spec_decoding_counters_are_reported_as_deltas_and_exported_under_vllm_n
 
 def test_stats_line_adds_speculative_decoding_when_drafts_were_verified(caplog: pytest.LogCaptureFixture) -> None:
     stat_logger = LoggingStatLogger(clock=iter([0.0, 2.0]).__next__)
-    caplog.set_level(logging.INFO, logger="engine.metrics.loggers")
+    caplog.set_level(logging.INFO, logger="pagedserve.engine.metrics.loggers")
     busy = scheduler_stats(num_running_reqs=1)
     for tokens, spec in ((10, SpecDecodingStats(2, 8, 4, [2, 1, 1, 0])), (6, SpecDecodingStats(2, 8, 2, [1, 1, 0, 0]))):
         stat_logger.record(busy, IterationStats(num_generation_tokens=tokens, spec_decoding=spec))
@@ -238,7 +238,7 @@ def test_a_dropped_stream_counts_as_an_aborted_request(served: Served) -> None:
 def test_stats_line_sums_the_interval_and_is_skipped_when_idle(caplog: pytest.LogCaptureFixture) -> None:
     clock = iter([0.0, 2.0, 4.0, 6.0]).__next__
     stat_logger = LoggingStatLogger(clock=clock)
-    caplog.set_level(logging.INFO, logger="engine.metrics.loggers")
+    caplog.set_level(logging.INFO, logger="pagedserve.engine.metrics.loggers")
     busy = scheduler_stats(num_running_reqs=3, num_waiting_reqs=1, kv_cache_usage=0.25)
     stat_logger.record(busy, IterationStats(num_prompt_tokens=100, num_generation_tokens=20,
                                             prefix_cache_queries=80, prefix_cache_hits=20, num_preemptions=1))
@@ -259,9 +259,10 @@ def test_json_log_lines_carry_time_level_logger_message_and_traceback() -> None:
     try:
         raise ValueError("boom")
     except ValueError:
-        record = logging.LogRecord("engine.x", logging.ERROR, __file__, 1, "failed %s", ("twice",), sys.exc_info())
+        record = logging.LogRecord("pagedserve.engine.x", logging.ERROR, __file__, 1, "failed %s", ("twice",),
+                                   sys.exc_info())
     line = json.loads(JsonFormatter().format(record))
-    assert (line["level"], line["logger"], line["message"]) == ("ERROR", "engine.x", "failed twice")
+    assert (line["level"], line["logger"], line["message"]) == ("ERROR", "pagedserve.engine.x", "failed twice")
     assert line["time"].endswith("+00:00") and "ValueError: boom" in line["exception"]
     config = log_config("json")
     assert config["loggers"]["uvicorn.access"]["propagate"] and not config["disable_existing_loggers"]
@@ -278,7 +279,7 @@ def _log_lines(log: Path) -> list[dict[str, Any]]:
 
 
 def _stats_lines(log: Path) -> list[dict[str, Any]]:
-    return [line for line in _log_lines(log) if line["logger"] == "engine.metrics.loggers"]
+    return [line for line in _log_lines(log) if line["logger"] == "pagedserve.engine.metrics.loggers"]
 
 
 def _logged_at(line: dict[str, Any]) -> float:
@@ -309,7 +310,7 @@ def _wait_for_server_time(url: str, log: Path, moment: float, timeout_s: float =
 
 
 def test_served_process_logs_json_access_lines_and_stats_only_while_busy(tmp_path: Path) -> None:
-    """``python -m server serve --log-format json --access-log``: every line is JSON, uvicorn's included.
+    """``python -m pagedserve serve --log-format json --access-log``: every line is JSON, uvicorn's included.
 
     With ``--speculative-config`` and a prompt the model copies from: the speculative decoding counters
     on /metrics, under our names and vLLM's, and their line in the stats log.
@@ -367,4 +368,4 @@ def test_health_is_503_until_the_engine_has_started() -> None:
 
 def test_health_is_200_and_version_is_the_package_version(client: httpx.Client) -> None:
     assert client.get("/health").status_code == 200
-    assert client.get("/version").json() == {"version": version("pagedserve")} == {"version": server.__version__}
+    assert client.get("/version").json() == {"version": version("pagedserve")} == {"version": pagedserve.__version__}

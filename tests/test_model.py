@@ -16,10 +16,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from engine.chat_template import chat_prompt_token_ids
-from engine.model.linear import ColumnParallelLinear
-from engine.model.linear_methods import EXACT_ROWS, OneDNNPackedLinearMethod, linear_method_for, padded_num_rows
-from engine.model.loader import (
+from pagedserve.engine.chat_template import chat_prompt_token_ids
+from pagedserve.engine.model.linear import ColumnParallelLinear
+from pagedserve.engine.model.linear_methods import (
+    EXACT_ROWS,
+    OneDNNPackedLinearMethod,
+    linear_method_for,
+    padded_num_rows,
+)
+from pagedserve.engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
     gguf_cache_folder,
@@ -29,8 +34,8 @@ from engine.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
-from engine.model.parallel import TensorParallel
-from engine.model.registry import CausalLM, supported_architectures
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.registry import CausalLM, supported_architectures
 from tests.model_fixtures import (
     TINY_ARCHITECTURES,
     build_metadata,

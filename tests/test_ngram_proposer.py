@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.config import EngineArgs, SpeculativeConfig
-from engine.core import ngram_proposer
-from engine.core.ngram_proposer import NgramProposer
-from server.cli import build_parser, main, resolve_settings
+from pagedserve.engine.config import EngineArgs, SpeculativeConfig
+from pagedserve.engine.core import ngram_proposer
+from pagedserve.engine.core.ngram_proposer import NgramProposer
+from pagedserve.server.cli import build_parser, main, resolve_settings
 
 
 def naive_propose(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.output_processor import OutputProcessor, RequestOutputKind
-from engine.outputs import CompletionOutput, EngineCoreOutput, FinishReason, RequestOutput, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedserve.engine.outputs import CompletionOutput, EngineCoreOutput, FinishReason, RequestOutput, TokenLogprobs
+from pagedserve.engine.sampling_params import SamplingParams
 
 # The module-scoped ``tokenizer`` fixture and ``encode`` helper of the detokenizer tests.
 from tests.test_detokenizer import encode, tokenizer_fixture  # noqa: F401

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.config import cache_dir
+from pagedserve.engine.config import cache_dir
 from tests.conftest import cli_server
 
 pytestmark = pytest.mark.infra
@@ -27,8 +27,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist,
                     ROOT], check=True, timeout=300, cwd=dist)
     wheel = next(dist.glob("pagedserve-*.whl"))
-    sources = {f"engine/model/csrc/{path.name}" for path in (ROOT / "engine" / "model" / "csrc").glob("*.c")}
-    assert len(sources) == 5 and sources <= set(zipfile.ZipFile(wheel).namelist())  # every C kernel ships
+    names = set(zipfile.ZipFile(wheel).namelist())
+    # One import namespace: nothing beside pagedserve that another distribution's package could collide with.
+    assert {name.split("/")[0] for name in names if ".dist-info/" not in name} == {"pagedserve"}
+    # Every package folder of the checkout is listed in pyproject.toml (setuptools takes only those listed).
+    packages = {init.parent for folder in ("engine", "server") for init in (ROOT / folder).rglob("__init__.py")}
+    assert {f"pagedserve/{p.relative_to(ROOT).as_posix()}/__init__.py" for p in packages} <= names
+    sources = {f"pagedserve/engine/model/csrc/{p.name}" for p in (ROOT / "engine" / "model" / "csrc").glob("*.c")}
+    assert len(sources) == 5 and sources <= names  # every C kernel ships
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", target,
                     wheel], check=True, timeout=300)
     return target
@@ -43,8 +49,8 @@ def test_the_installed_wheel_serves_a_completion(installed: Path, tmp_path: Path
         (cache / "gguf").symlink_to(gguf)
     env = {"PYTHONPATH": str(installed), "PAGEDSERVE_CACHE_DIR": str(cache)}
     python = (sys.executable, "-P")
-    where = subprocess.run([*python, "-c", "import engine, server; print(engine.__file__, server.__file__)"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    code = "import pagedserve.engine, pagedserve.server; print(pagedserve.engine.__file__, pagedserve.server.__file__)"
+    where = subprocess.run([*python, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
     assert all(Path(p).is_relative_to(installed) for p in where.stdout.split())
     with cli_server(tmp_path, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB", python=python,
                     cwd=tmp_path, env=env) as (url, _):

@@ -21,12 +21,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.detokenizer import StopStrings
-from engine.errors import InvalidRequestError
-from engine.output_processor import OutputProcessor, RequestOutputKind
-from engine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-from engine.worker.input_batch import CachedRequestState, InputBatch
-from engine.worker.sample_ops import process_logits
+from pagedserve.engine.detokenizer import StopStrings
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedserve.engine.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.engine.worker.sample_ops import process_logits
 from tests.conftest import Served
 
 PLAIN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}

@@ -9,9 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-import server.chat
-import server.completions
-from engine import LLM, SamplingParams
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.server import chat, completions
 from tests.conftest import Served
 
 BLOCK_SIZE = 16  # the engine's default
@@ -71,7 +70,7 @@ def test_completions_prompt_logprobs_with_n_are_computed_and_converted_once(
     prompt = "Once more: " + TEXT
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2}
     num_prompt_tokens = post(client, "/tokenize", prompt=prompt)["count"]
-    spy = Spy(monkeypatch, server.completions, "prompt_logprobs")
+    spy = Spy(monkeypatch, completions, "prompt_logprobs")
     before = served.engine.get_stats()
     choices = post(client, "/v1/completions", **body, n=4)["choices"]
     after = served.engine.get_stats()
@@ -101,7 +100,7 @@ def test_completions_echo_with_logprobs_and_n_converts_the_prompt_once(
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "echo": True, "logprobs": 2}
     alone = post(client, "/v1/completions", **body)["choices"][0]
     num_prompt_tokens = post(client, "/tokenize", prompt=prompt)["count"]
-    spy = Spy(monkeypatch, server.completions, "_legacy_logprobs")
+    spy = Spy(monkeypatch, completions, "_legacy_logprobs")
     choices = post(client, "/v1/completions", **body, n=3)["choices"]
     # One call for the prompt (off the event loop), then one per choice for its own two tokens.
     assert len(spy.threads) == 1 + 3 and spy.threads[0].startswith("tokenizer")
@@ -125,7 +124,7 @@ def test_chat_prompt_logprobs_with_n_are_converted_once_off_the_event_loop(
     messages = [{"role": "user", "content": "Summarise: " + TEXT}]
     body = {"messages": messages, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1}
     alone = post(client, "/v1/chat/completions", **body)["prompt_logprobs"]
-    spy = Spy(monkeypatch, server.chat, "prompt_logprobs")
+    spy = Spy(monkeypatch, chat, "prompt_logprobs")
     response = post(client, "/v1/chat/completions", **body, n=3)
     assert len(spy.threads) == 1 and spy.threads[0].startswith("tokenizer")
     assert len(response["choices"]) == 3 and _same_prompt_logprobs(response["prompt_logprobs"], alone)

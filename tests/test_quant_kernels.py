@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import quant_kernels
-from engine.model.quant_kernels import (
+from pagedserve.engine.model import quant_kernels
+from pagedserve.engine.model.quant_kernels import (
     GROUP_SIZE,
     KERNEL_MAX_ROWS,
     QuantizedWeight,

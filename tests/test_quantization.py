@@ -26,19 +26,25 @@ from gguf import quantize as gguf_quantize
 from safetensors.torch import load_file
 
 from benchmarks.quant_error import divergence, use_kernel, window_logits
-from engine import LLM, SamplingParams
-from engine.config import EngineArgs, ModelConfig
-from engine.model.linear import QKVParallelLinear, RowParallelLinear
-from engine.model.linear_methods import (
+from pagedserve.engine import LLM, SamplingParams
+from pagedserve.engine.config import EngineArgs, ModelConfig
+from pagedserve.engine.model.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.engine.model.linear_methods import (
     GGUFLinearMethod,
     QuantizedLinearMethod,
     UnquantizedLinearMethod,
     WeightOnlyQuantizedLinearMethod,
 )
-from engine.model.loader import gguf_cache_folder, load_hf_config, load_model, resolve_model_path, weight_bytes
-from engine.model.parallel import TensorParallel
-from engine.model.quant_kernels import KERNEL_MAX_ROWS, QuantizedWeight, dequantize
-from engine.model.quantization import quantize_int4, quantize_int8, stage_gguf_tensor, unstage
+from pagedserve.engine.model.loader import (
+    gguf_cache_folder,
+    load_hf_config,
+    load_model,
+    resolve_model_path,
+    weight_bytes,
+)
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.quant_kernels import KERNEL_MAX_ROWS, QuantizedWeight, dequantize
+from pagedserve.engine.model.quantization import quantize_int4, quantize_int8, stage_gguf_tensor, unstage
 
 CPU = torch.device("cpu")
 Q4_0, Q4_1, Q8_0, F16 = (GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "F16"))

@@ -1,4 +1,4 @@
-"""Engine replicas on Ray Serve (``server.replicas``): a real local Ray cluster with 2 replicas and small KV caches.
+"""Engine replicas on Ray Serve (``server/replicas``): a real local Ray cluster with 2 replicas and small KV caches.
 
 One application serves the whole module (Ray and two engines take 20-40 s to start here); the
 test that kills a replica runs last. Requests go over HTTP, through Ray Serve's proxy and our ingress,
@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from benchmarks.router import Workload, replica_ids, replica_metrics, run_workload, shared_prefix_requests
-from benchmarks.serve import ServeOptions
-from engine.config import EngineArgs
-from server.app import ServerArgs
-from server.cli import build_parser
-from server.replicas.forwarding import REPLICA_HEADER, ROUTER_HEADER, routing_text
-from server.replicas.prefix_tree import PrefixTree
-from server.replicas.settings import ReplicaSettings
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.bench.serve import ServeOptions
+from pagedserve.server.cli import build_parser
+from pagedserve.server.replicas.forwarding import REPLICA_HEADER, ROUTER_HEADER, routing_text
+from pagedserve.server.replicas.prefix_tree import PrefixTree
+from pagedserve.server.replicas.settings import ReplicaSettings
 from tests.conftest import Served, free_port, sse_payloads
 
 pytestmark = pytest.mark.infra
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.infra
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from server.replicas.deployment import APP_NAME, EngineReplica, app_builder, build_application  # noqa: E402
-from server.replicas.router import _backing_off  # noqa: E402
+from pagedserve.server.replicas.deployment import APP_NAME, EngineReplica, app_builder, build_application  # noqa: E402
+from pagedserve.server.replicas.router import _backing_off  # noqa: E402
 
 #: KV blocks of 16 tokens per replica: room for the 4 prefixes of 72 tokens that affinity gives each
 #: replica, and their requests in flight, but not for all 8, which round robin sends to both.

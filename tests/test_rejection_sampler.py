@@ -7,8 +7,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.worker.rejection_sampler import RejectionSampler
-from engine.worker.sampler import Sampler
+from pagedserve.engine.worker.rejection_sampler import RejectionSampler
+from pagedserve.engine.worker.sampler import Sampler
 from tests.sampling_fixtures import expected_distribution, make_metadata
 
 #: Eight logits whose least likely token still has p of about 0.035 (so

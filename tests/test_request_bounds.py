@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from server.app import ServerArgs
-from server.errors import OpenAIError, _unexpected_error
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.errors import OpenAIError, _unexpected_error
 from tests.conftest import Served
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -122,7 +122,7 @@ def test_an_error_quoting_a_surrogate_still_renders() -> None:
 def test_unexpected_errors_are_logged_with_their_traceback(caplog: pytest.LogCaptureFixture) -> None:
     # Called outside any except block, as Starlette's thread pool calls it.
     request = Request({"type": "http", "method": "GET", "path": "/x", "headers": []})
-    with caplog.at_level(logging.ERROR, logger="server.errors"):
+    with caplog.at_level(logging.ERROR, logger="pagedserve.server.errors"):
         response = _unexpected_error(request, RuntimeError("boom"))
     assert response.status_code == 500
     [record] = caplog.records

@@ -16,10 +16,10 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server.errors import OpenAIError
-from server.protocol import ChatCompletionChunk, ChatMessage
-from server.responses import ResponseStore, ResponseStream, new_response
-from server.responses_protocol import Response, ResponsesRequest
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import ChatCompletionChunk, ChatMessage
+from pagedserve.server.responses import ResponseStore, ResponseStream, new_response
+from pagedserve.server.responses_protocol import Response, ResponsesRequest
 from tests.conftest import Served
 
 TEMPERATURE = 0  # greedy: the same conversation gives the same text on chat and on responses

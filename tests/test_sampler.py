@@ -9,10 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.sampling_params import SamplingParams
-from engine.worker import sample_ops
-from engine.worker.input_batch import CachedRequestState, InputBatch
-from engine.worker.sample_ops import (
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.worker import sample_ops
+from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.engine.worker.sample_ops import (
     LOGITS_OPS,
     apply_logit_bias,
     apply_min_p,
@@ -22,8 +22,8 @@ from engine.worker.sample_ops import (
     process_logits,
     unpack_token_bitmask,
 )
-from engine.worker.sampler import Sampler, compute_logprobs_tensors
-from engine.worker.sampling_metadata import SamplingMetadata
+from pagedserve.engine.worker.sampler import Sampler, compute_logprobs_tensors
+from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
 from tests.sampling_fixtures import expected_distribution, make_metadata, pack_bitmask
 
 # Ten logits in no particular order, so that "most likely" is not "lowest id".

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineArgs, parse_size
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineArgs, parse_size
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -9,10 +9,10 @@ import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.scheduler import Scheduler
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.fake_runner import FakeModelRunner, reference_tokens, step
 
 BLOCK_SIZE = 16
@@ -240,8 +240,8 @@ def test_max_model_len_caps_output():
 
 def test_scheduler_side_imports_no_torch():
     # Every module of engine.core, in a fresh interpreter.
-    code = ("import importlib, pkgutil, sys, engine.core\n"
-            "for m in pkgutil.iter_modules(engine.core.__path__): importlib.import_module('engine.core.' + m.name)\n"
+    code = ("import importlib, pkgutil, sys, pagedserve.engine.core as core\n"
+            "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(core.__name__ + '.' + m.name)\n"
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=pathlib.Path(__file__).parent.parent)

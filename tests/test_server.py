@@ -16,13 +16,13 @@ import httpx
 import openai
 import pytest
 
-import server
-from engine.async_llm import AsyncLLM
-from engine.config import EngineArgs
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from server.app import ServerArgs
-from server.cli import build_parser, main, resolve_settings
+import pagedserve
+from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.cli import build_parser, main, resolve_settings
 from tests.conftest import Served, cli_server, free_port, sse_payloads
 
 GREEDY = {"temperature": 0.0}
@@ -73,7 +73,7 @@ def test_models_health_and_version_describe_the_server(client: httpx.Client, ser
     assert [m["id"] for m in models["data"]] == [served.engine.model_name]
     assert models["data"][0]["object"] == "model" and models["data"][0]["max_model_len"] == 2048
     assert client.get("/health").status_code == 200
-    assert client.get("/version").json() == {"version": server.__version__}
+    assert client.get("/version").json() == {"version": pagedserve.__version__}
 
 
 def test_tokenize_and_detokenize_round_trip(client: httpx.Client) -> None:
@@ -136,7 +136,7 @@ def test_chat_stream_joins_to_the_whole_message(client: httpx.Client) -> None:
 
 def test_server_text_equals_offline_llm_text(client: httpx.Client) -> None:
     """Greedy text over HTTP (streamed and not) equals ``LLM.generate`` / ``LLM.chat`` in-process."""
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(max_model_len=1024, kv_cache_memory_bytes="64MiB")
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -376,18 +376,11 @@ def test_help_documents_every_setting_with_unit_and_default(capsys: pytest.Captu
     assert "[requests] (default: 64)" in text and "(default: 16MiB)" in text
 
 
-def test_bench_serve_subcommand_uses_the_benchmark_options() -> None:
-    from benchmarks import serve as bench_serve
-
-    args = build_parser().parse_args(["bench", "serve", "--num-prompts", "3", "--endpoint", "chat"])
-    assert args.run is bench_serve.run and (args.num_prompts, args.endpoint) == (3, "chat")
-
-
-#: Runs ``python -m server`` with EngineCore.step raising from the second step: a fault inside the engine.
+#: Runs ``python -m pagedserve`` with EngineCore.step raising from the second step: a fault inside the engine.
 _FAULTY_ENGINE = """
 import sys
-from engine.engine_core import EngineCore
-from server.cli import main
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.server.cli import main
 step = EngineCore.step
 calls = []
 def faulty_step(self):
@@ -401,7 +394,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Any) -> None:
-    """``python -m server serve`` end to end: YAML config, a stream, SIGTERM, a clean exit."""
+    """``python -m pagedserve serve`` end to end: YAML config, a stream, SIGTERM, a clean exit."""
     config = tmp_path / "serve.yaml"
     config.write_text("max_model_len: 256\nkv_cache_memory_bytes: 32MiB\nshutdown_timeout: 60\n")
     with cli_server(tmp_path, "--config", str(config)) as (url, process):
@@ -430,7 +423,7 @@ def test_a_dead_engine_fails_the_stream_and_ends_the_process_non_zero(tmp_path: 
     assert "injected engine fault" in (tmp_path / "server.log").read_text()
 
 
-@pytest.mark.server  # runs `python -m server serve`
+@pytest.mark.server  # runs `python -m pagedserve serve`
 @pytest.mark.parametrize("args, message", [
     (["/no/such/model"], "model path '/no/such/model' is not a folder or a .gguf file"),
     (["--max-model-len", "8192", "--kv-cache-memory-bytes", "64MiB"],
@@ -438,20 +431,20 @@ def test_a_dead_engine_fails_the_stream_and_ends_the_process_non_zero(tmp_path: 
     (["--block-size", "0"], "block_size must be >= 1"),
 ])
 def test_start_up_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "server", "serve", "--port", str(free_port()), *args],
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--port", str(free_port()), *args],
                             capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in result.stderr
 
 
-@pytest.mark.server  # runs `python -m server serve`
+@pytest.mark.server  # runs `python -m pagedserve serve`
 def test_port_in_use_is_found_before_the_model_loads() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "server", "serve", "--port", str(port)], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "pagedserve", "serve", "--port", str(port)], capture_output=True,
                                 text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2
     expected = f"pagedserve serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
@@ -523,7 +516,7 @@ def _tiny_chat_model(folder: Any, generation_config: dict[str, Any]) -> None:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from engine.model.loader import gguf_cache_folder, resolve_model_path
+    from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_cache_folder(resolve_model_path(None)).path)
     config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
@@ -540,7 +533,7 @@ def test_unset_sampling_fields_take_the_models_generation_config(
         monkeypatch: pytest.MonkeyPatch) -> None:
     _tiny_chat_model(tmp_path, {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1,
                                 "max_new_tokens": 5, "do_sample": True, "eos_token_id": 2})
-    with caplog.at_level(logging.INFO, logger="engine.generation_config"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.generation_config"):
         tiny = serve_fresh_engine(model=str(tmp_path), served_model_name="org/tiny", max_model_len=256,
                                   kv_cache_memory_bytes="8MiB")
     expected = {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1, "max_tokens": 5}
@@ -579,14 +572,14 @@ def test_unset_sampling_fields_take_the_models_generation_config(
         post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
 
     # The offline LLM uses the same defaults when given no parameters, as vLLM's does.
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     offline = LLM(str(tmp_path), max_model_len=256, kv_cache_memory_bytes="8MiB").get_default_sampling_params()
     assert (offline.temperature, offline.top_k, offline.repetition_penalty, offline.max_tokens) == (0.25, 7, 1.1, 5)
 
 
 def test_generation_config_can_come_from_another_folder_or_be_off(tmp_path: Any) -> None:
-    from engine.generation_config import load_generation_defaults
+    from pagedserve.engine.generation_config import load_generation_defaults
 
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.7, "top_p": 0.9, "top_k": null}')
     assert load_generation_defaults("/nonexistent", str(tmp_path)) == {"temperature": 0.7, "top_p": 0.9}

@@ -22,13 +22,13 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from engine.step_records import StepRecordBuffer
-from server import protocol
-from server.app import ServerArgs
-from server.dashboard import follow_steps
-from server.errors import MAX_ECHOED_CHARS, MAX_ERROR_MESSAGE_CHARS, shorten
-from server.responses import ResponseStore, stored_bytes
-from server.responses_protocol import (
+from pagedserve.engine.step_records import StepRecordBuffer
+from pagedserve.server import protocol
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.dashboard import follow_steps
+from pagedserve.server.errors import MAX_ECHOED_CHARS, MAX_ERROR_MESSAGE_CHARS, shorten
+from pagedserve.server.responses import ResponseStore, stored_bytes
+from pagedserve.server.responses_protocol import (
     MAX_IDENTIFIER_CHARS,
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
@@ -87,7 +87,7 @@ def test_unknown_field_names_are_logged_cut_and_at_most_a_thousand(
         client: httpx.Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(protocol, "_logged_unknown_fields", set())  # as if no earlier test sent any
     long_name = "z" * 1_000_000
-    with caplog.at_level(logging.WARNING, logger="server.protocol"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.protocol"):
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, long_name: 1}).status_code == 200
     assert protocol._logged_unknown_fields == {shorten(long_name)}
     logged = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
@@ -255,8 +255,8 @@ def test_the_bearer_scheme_is_case_insensitive(serve_app) -> None:
 def test_the_last_output_is_queued_past_the_backlog_bound() -> None:
     """A request that has finished holds nothing more in the engine: its last output was refused past the
     bound, and a completed request ended as client_too_slow."""
-    from engine.async_llm import _OutputStream
-    from engine.outputs import CompletionOutput, RequestOutput
+    from pagedserve.engine.async_llm import _OutputStream
+    from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 
     def output(num_tokens: int, finished: bool) -> RequestOutput:
         completion = CompletionOutput(index=0, text="x" * num_tokens, token_ids=[1] * num_tokens)

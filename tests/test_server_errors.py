@@ -20,17 +20,17 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.async_llm import AsyncLLM, QueueFullError
-from engine.config import CacheConfig, EngineArgs, ModelConfig
-from engine.core.scheduler import SchedulerStats
-from engine.input_processor import InputProcessor
-from engine.model.loader import gguf_cache_folder, resolve_model_path
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
-from server import protocol
-from server.app import ServerArgs
-from server.cli import main as cli_main
-from server.protocol import MAX_N, UNSUPPORTED_FIELDS
+from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
+from pagedserve.engine.config import CacheConfig, EngineArgs, ModelConfig
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.server import protocol
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.cli import main as cli_main
+from pagedserve.server.protocol import MAX_N, UNSUPPORTED_FIELDS
 from tests.conftest import Served, sse_payloads
 
 LONG_PROMPT = [19556] * 2100  # token ids, more than max_model_len (2048)
@@ -186,7 +186,7 @@ def test_unknown_fields_are_accepted_and_logged_once_per_name(
         client: httpx.Client, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(protocol, "_logged_unknown_fields", set())  # as if no earlier test sent them
     messages = [{"role": "user", "content": "Hi", "speaker": "ann"}]
-    with caplog.at_level(logging.WARNING, logger="server.protocol"):
+    with caplog.at_level(logging.WARNING, logger="pagedserve.server.protocol"):
         for _ in range(2):
             for path, body in [("/v1/completions", {"prompt": "Hi", "foo_bar": 1}),
                                ("/v1/chat/completions", {"messages": messages, "foo_bar": 1, "n_predict": 3}),

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from engine import LLM
-from engine.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
-from engine.core.scheduler import Scheduler
-from engine.core.spec_decode import BACKOFF_FIRST_PAUSE, BACKOFF_WINDOW, DraftGate
-from engine.engine_core import EngineCore
-from engine.request import EngineCoreRequest, Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine import LLM
+from pagedserve.engine.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.spec_decode import BACKOFF_FIRST_PAUSE, BACKOFF_WINDOW, DraftGate
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.request import EngineCoreRequest, Request
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.fake_runner import FakeModelRunner, next_token, reference_tokens
 from tests.fake_runner import step as fake_step
 

@@ -1,7 +1,7 @@
 """``benchmarks.step_profile`` and ``benchmarks.core_requests``: reading the engine's regions, driving its core.
 
 The breakdown is checked on a stand-in step that marks the regions through
-``engine.profiling.region`` as the engine does, then on a real engine step of a
+``pagedserve.engine.profiling.region`` as the engine does, then on a real engine step of a
 tiny model, which pins the region names the benchmarks read to those the
 engine marks.
 """
@@ -25,7 +25,7 @@ from benchmarks.step_profile import (
     profile_steps,
     step_breakdown,
 )
-from engine.profiling import region
+from pagedserve.engine.profiling import region
 
 NUM_LAYERS = 2
 SLEEP_S = 0.002
@@ -106,7 +106,7 @@ class _FakeCore:
 
 def test_core_requests_are_added_as_the_frontend_would_and_counted_per_step() -> None:
     core = _FakeCore()
-    from engine.input_processor import ProcessedRequest
+    from pagedserve.engine.input_processor import ProcessedRequest
 
     processor = SimpleNamespace(process=lambda prompt, params: ProcessedRequest(None, prompt, params, 2))
     llm = SimpleNamespace(engine_core=core, processor=processor)
@@ -124,7 +124,7 @@ def test_core_requests_are_added_as_the_frontend_would_and_counted_per_step() ->
 
 def test_a_real_engine_step_marks_every_region_the_benchmarks_read(tmp_path: Path) -> None:
     from benchmarks.gpu.fixtures import build_tokenizer
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
     from tests.model_fixtures import tiny_hf_model
 
     tiny_hf_model("llama", tmp_path, tie_word_embeddings=True)

@@ -20,14 +20,14 @@ import openai
 import pydantic
 import pytest
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.errors import InvalidRequestError
-from engine.request import Request
-from engine.sampling_params import SamplingParams, StructuredOutputsParams
-from engine.structured_output import compiler as compiler_module
-from engine.structured_output.compiler import GrammarCompiler, grammar_text
+from pagedserve.engine.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedserve.engine.structured_output import compiler as compiler_module
+from pagedserve.engine.structured_output.compiler import GrammarCompiler, grammar_text
 from tests.conftest import Served
 from tests.fake_runner import FakeModelRunner, step
 
@@ -378,7 +378,7 @@ def test_structured_outputs_params_need_exactly_one_valid_constraint(fields: dic
 def test_preempted_constrained_requests_resume_their_grammar() -> None:
     """Requests preempted by recompute keep their grammar state: their greedy output is the same as
     when they run alone, and still inside the grammar."""
-    from engine.llm import LLM
+    from pagedserve.engine.llm import LLM
 
     schema = SCHEMAS["array_bounds_and_enum"]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))

@@ -9,8 +9,8 @@ import llguidance
 from jsonschema import Draft202012Validator
 
 from benchmarks import structured_output
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output.compiler import grammar_text
+from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.engine.structured_output.compiler import grammar_text
 
 
 def test_every_schema_is_valid_and_accepted_by_llguidance() -> None:

@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineArgs, EngineConfig
-from engine.engine_core import EngineCore
-from engine.executor.multiproc import MultiprocExecutor, WorkerDiedError, step_digest
-from engine.outputs import ModelRunnerOutput
-from engine.request import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.executor.multiproc import MultiprocExecutor, WorkerDiedError, step_digest
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.request import EngineCoreRequest
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import TEST_ENGINE_ARGS, Served, cli_server
 from tests.model_fixtures import tiny_hf_model
 

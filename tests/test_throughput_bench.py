@@ -22,7 +22,7 @@ from benchmarks.throughput import (
     split_steps,
     spread_subset,
 )
-from engine.model import fused_decode
+from pagedserve.engine.model import fused_decode
 
 
 def test_spread_subset_picks_prompts_across_the_length_range() -> None:

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling_params import StructuredOutputsParams
-from server.errors import OpenAIError
-from server.protocol import ChatCompletionRequest, conversation
-from server.tool_calling import HermesToolParser, ToolParser, parse_reply, plan_tools, tool_parser_class
-from server.tool_calling.output import StreamedReply
-from server.tool_calling.prompt import render_inputs
+from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.server.errors import OpenAIError
+from pagedserve.server.protocol import ChatCompletionRequest, conversation
+from pagedserve.server.tool_calling import HermesToolParser, ToolParser, parse_reply, plan_tools, tool_parser_class
+from pagedserve.server.tool_calling.output import StreamedReply
+from pagedserve.server.tool_calling.prompt import render_inputs
 from tests.conftest import Served
 
 MODEL = "SmolLM2-135M-Instruct"

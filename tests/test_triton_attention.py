@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from engine.model.attention import AttentionMetadata, get_attention_backend  # noqa: E402
-from engine.model.triton_attention import TritonAttentionBackend  # noqa: E402
+from pagedserve.engine.model.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from pagedserve.engine.model.triton_attention import TritonAttentionBackend  # noqa: E402
 
 NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -207,10 +207,10 @@ def test_rejects_head_count_not_a_multiple_of_kv_heads() -> None:
         TritonAttentionBackend(16).forward(query[:, :1].expand(-1, 3, -1), key, value, kv_cache, metadata, 0.1)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("engine.model.torch_attention") is None,
+@pytest.mark.skipif(importlib.util.find_spec("pagedserve.engine.model.torch_attention") is None,
                     reason="the torch reference backend is not written yet")
 def test_matches_torch_backend() -> None:
-    import engine.model.torch_attention  # noqa: F401  (registers "torch")
+    import pagedserve.engine.model.torch_attention  # noqa: F401  (registers "torch")
 
     step = make_step([20, 1, 9, 1], [13, 47, 0, 15], queries_per_kv=3)
     query, key, value, kv_cache, metadata = step

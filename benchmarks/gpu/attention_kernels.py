@@ -114,7 +114,7 @@ def _attention_step(sizes: KernelSizes, context_lens: list[int], query_lens: lis
 def _kernel_case(case: str, context_lens: list[int], query_lens: list[int], dtype_name: str, sizes: KernelSizes,
                  device: str) -> dict[str, Any]:
     """Errors and times of both backends on one step; bf16 errors are also measured against fp32."""
-    from engine.model.attention import get_attention_backend
+    from pagedserve.engine.model.attention import get_attention_backend
 
     step = _attention_step(sizes, context_lens, query_lens, DTYPES[dtype_name], device)
     scale = sizes.heads[2] ** -0.5

@@ -112,7 +112,7 @@ def decode_roofline_s(shape: ModelShape, dtype_bytes: int, context_lens: Sequenc
 
 
 def _throughput(llm: Any, sizes: DecodeSizes, mode: str) -> dict[str, Any]:
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     rng = np.random.default_rng(11)
     low, high = sizes.prompt_len_range
@@ -141,7 +141,7 @@ def _decode_steps(llm: Any, sizes: DecodeSizes, batch: int, mode: str, device: s
     the host and so include the device's work; the rest is scheduling and output
     handling.
     """
-    from engine import SamplingParams
+    from pagedserve.engine import SamplingParams
 
     # A request may sample while later ones still prefill: room for that, the warm-up, timed and profiled steps.
     prefill_steps = -(-batch * sizes.decode_context // sizes.max_num_batched_tokens) + 1
@@ -172,7 +172,7 @@ def _decode_steps(llm: Any, sizes: DecodeSizes, batch: int, mode: str, device: s
 def run(ctx: CheckContext, sections: list[str]) -> None:
     """The chosen sections of ``THROUGHPUT`` and ``DECODE``, on one engine per mode; each part that raises
     is recorded in its section and the others still run."""
-    from engine import LLM
+    from pagedserve.engine import LLM
 
     sizes = QUICK if ctx.quick else FULL
     folder = ctx.tmp / "random-1b"

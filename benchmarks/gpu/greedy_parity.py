@@ -139,7 +139,7 @@ def _reference_generate(folder: Path, prompts: list[list[int]], max_tokens: int,
 def _parity_run(ctx: CheckContext, sizes: GreedySizes, model_type: str, folder: Path, dtype_name: str
                 ) -> dict[str, Any]:
     """One tiny model in one dtype: the engine's and transformers' greedy outputs, compared prompt by prompt."""
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     prompts = random_prompts(np.random.default_rng(7), sizes.prompt_lens, TINY_VOCAB)
     llm = LLM(str(folder), device=ctx.device, dtype=dtype_name, max_model_len=256, max_num_seqs=sizes.max_num_seqs,

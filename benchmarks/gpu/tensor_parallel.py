@@ -32,7 +32,7 @@ MAX_TOKENS = 16
 
 def _generate(ctx: CheckContext, folder: Path, dtype_name: str, size: int, prompts: list[list[int]]
               ) -> list[list[int]]:
-    from engine import LLM, SamplingParams
+    from pagedserve.engine import LLM, SamplingParams
 
     llm = LLM(str(folder), device=ctx.device, dtype=dtype_name, max_model_len=256, max_num_batched_tokens=64,
               long_prefill_token_threshold=32, kv_cache_memory_bytes="64MiB", tensor_parallel_size=size, seed=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.core.kv_cache_utils import BlockHash
+from pagedserve.engine.core.kv_cache_utils import BlockHash
 
 
 class KVCacheBlock:

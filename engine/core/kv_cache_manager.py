@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from pagedserve.engine.core.block_pool import BlockPool, KVCacheBlock
+from pagedserve.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

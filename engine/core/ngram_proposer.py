@@ -3,7 +3,7 @@
 Text that quotes, edits or summarises its input (code edits, retrieval answers, "repeat this with
 one word changed") repeats long runs of its prompt. The tokens that followed the last earlier
 occurrence of the sequence's final n tokens are then a good guess of what comes next, and the
-target model verifies the guess in the same forward pass (``engine.worker.rejection_sampler``).
+target model verifies the guess in the same forward pass (``pagedserve.engine.worker.rejection_sampler``).
 Apoorv Saxena, "Prompt Lookup Decoding" (2023, github.com/apoorvumang/prompt-lookup-decoding);
 vLLM's ``NgramProposer`` (vllm/v1/spec_decode/ngram_proposer.py, ``--speculative-config
 '{"method": "ngram", ...}'``) implements the same rule.

@@ -16,7 +16,7 @@ Speculative decoding: a request's draft tokens (``Request.spec_token_ids``,
 from the drafter after each step) are scheduled after its last token like any
 other tokens; ``update_from_output`` keeps the accepted ones and rolls
 ``num_computed_tokens`` back past the rejected ones. A ``DraftGate`` decides which
-requests the drafter is asked for (``engine.core.spec_decode``: no drafts in a busy
+requests the drafter is asked for (``pagedserve.engine.core.spec_decode``: no drafts in a busy
 batch or for a request whose drafts keep failing); ``SpecDecodingStats`` counts
 drafts and accepted tokens for the metrics.
 
@@ -30,14 +30,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.draft_proposer import DraftProposer
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
-from engine.core.spec_decode import DraftGate, SpecDecodingStats
-from engine.core.structured_output import StructuredOutputManager
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput
-from engine.request import Request, RequestStatus
+from pagedserve.engine.config import CacheConfig, SchedulerConfig
+from pagedserve.engine.core.draft_proposer import DraftProposer
+from pagedserve.engine.core.kv_cache_manager import KVCacheManager
+from pagedserve.engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.core.spec_decode import DraftGate, SpecDecodingStats
+from pagedserve.engine.core.structured_output import StructuredOutputManager
+from pagedserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

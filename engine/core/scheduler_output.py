@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pagedserve.engine.request import Request
+from pagedserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the scheduler side imports neither torch nor numpy at run time
     import numpy as np

@@ -15,7 +15,7 @@ one buys nothing. ``DraftGate`` steps aside where speculation does not pay:
 A drafter that finds no match proposes nothing and costs nothing but its lookup.
 
 ``SpecDecodingStats`` counts drafts and accepted tokens as vLLM's ``SpecDecodingStats`` does, as
-totals since start; the metrics report their differences (``engine.metrics``).
+totals since start; the metrics report their differences (``pagedserve.engine.metrics``).
 
 This package imports no torch.
 """

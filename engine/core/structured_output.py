@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.request import Request
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.request import Request
 
 
 class StructuredOutputManager(Protocol):

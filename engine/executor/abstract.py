@@ -11,9 +11,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
-from engine.config import EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.outputs import ModelRunnerOutput
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.outputs import ModelRunnerOutput
 
 
 class Executor(ABC):
@@ -33,9 +33,9 @@ class Executor(ABC):
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor ``config`` needs: one in-process worker, or one process per tensor-parallel rank."""
         if config.args.tensor_parallel_size > 1:
-            from engine.executor.multiproc import MultiprocExecutor
+            from pagedserve.engine.executor.multiproc import MultiprocExecutor
             return MultiprocExecutor
-        from engine.executor.uniproc import UniProcExecutor
+        from pagedserve.engine.executor.uniproc import UniProcExecutor
         return UniProcExecutor
 
     @abstractmethod

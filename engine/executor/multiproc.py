@@ -52,10 +52,10 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn
 
-from engine.config import EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.executor.abstract import Executor
-from engine.outputs import ModelRunnerOutput
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.executor.abstract import Executor
+from pagedserve.engine.outputs import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class MultiprocExecutor(Executor):
         # state) half-made. A fork server is a clean process that imports torch once and forks each
         # rank from there, so an engine started again in the same process does not import it again.
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["engine.worker.worker"])
+        context.set_forkserver_preload(["pagedserve.engine.worker.worker"])
         # torch's FileStore deletes its file when the last rank leaves, even if this process was killed.
         rendezvous = os.path.join(tempfile.gettempdir(), f"pagedserve-tp-{uuid.uuid4().hex}")
         self._pipes: list[Connection] = []
@@ -313,7 +313,7 @@ def _run_worker(config: EngineConfig, rank: int, init_method: str, pipe: Connect
     # the ranks under a server that is draining: the engine decides when they stop.
     os.setpgrp()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-    from engine.worker.worker import Worker  # torch loads in the child only
+    from pagedserve.engine.worker.worker import Worker  # torch loads in the child only
 
     worker = None
     ready = False

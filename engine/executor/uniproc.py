@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.executor.abstract import Executor
-from engine.outputs import ModelRunnerOutput
-from engine.worker.worker import Worker
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.executor.abstract import Executor
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode import SpecDecodingStats
-from engine.metrics.stats import IterationStats
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.core.spec_decode import SpecDecodingStats
+from pagedserve.engine.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 

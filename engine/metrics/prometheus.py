@@ -19,10 +19,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode import SpecDecodingStats
-from engine.metrics.stats import IterationStats
-from engine.outputs import FinishReason
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.core.spec_decode import SpecDecodingStats
+from pagedserve.engine.metrics.stats import IterationStats
+from pagedserve.engine.outputs import FinishReason
 
 PREFIX = "pagedserve:"
 # Seconds. vLLM's buckets, so that dashboards made for it read ours alike.

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from engine.core.scheduler import SchedulerStats
-from engine.core.spec_decode import SpecDecodingStats
-from engine.outputs import EngineCoreOutput, FinishReason
+from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.core.spec_decode import SpecDecodingStats
+from pagedserve.engine.outputs import EngineCoreOutput, FinishReason
 
 
 @dataclass

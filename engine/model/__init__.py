@@ -1,1 +1,1 @@
-"""Models, their loader and attention backends (registered in ``engine.model.attention``)."""
+"""Models, their loader and attention backends (registered in ``pagedserve.engine.model.attention``)."""

@@ -119,8 +119,8 @@ class AttentionBackend(ABC):
 _BACKENDS: dict[str, type[AttentionBackend]] = {}
 # Built-in backends, imported on first use; none imports triton until it is instantiated, so that
 # listing the backends never initialises triton (its TRITON_INTERPRET setting is read at import).
-_BUILTIN_MODULES = {"torch": "engine.model.torch_attention", "cpu": "engine.model.cpu_attention",
-                    "triton": "engine.model.triton_attention"}
+_BUILTIN_MODULES = {"torch": "pagedserve.engine.model.torch_attention", "cpu": "pagedserve.engine.model.cpu_attention",
+                    "triton": "pagedserve.engine.model.triton_attention"}
 
 
 def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from engine.config import cache_dir
+from pagedserve.engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
-from engine.model.c_kernels import load_c_library
-from engine.model.cpu_threads import all_threads
-from engine.model.torch_attention import PrefillBatch, TorchAttentionBackend, TorchAttentionMetadata
-from engine.profiling import region
+from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.engine.model.c_kernels import load_c_library
+from pagedserve.engine.model.cpu_threads import all_threads
+from pagedserve.engine.model.torch_attention import PrefillBatch, TorchAttentionBackend, TorchAttentionMetadata
+from pagedserve.engine.profiling import region
 
 logger = logging.getLogger(__name__)
 

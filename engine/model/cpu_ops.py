@@ -3,11 +3,11 @@
 One token per step makes these chains cost their op dispatch, not their
 arithmetic: a 576-wide RMSNorm with its residual add is seven torch ops and
 about 23 us on the 2-core test machine, the C call about 2 us
-(``csrc/cpu_ops.c``, built and cached by ``engine.model.c_kernels``). Each
+(``csrc/cpu_ops.c``, built and cached by ``pagedserve.engine.model.c_kernels``). Each
 function here returns None when it does not apply (not a CPU tensor, a dtype
 other than float32/bfloat16, rows not contiguous within themselves, no
 compiler), and the caller runs its torch reference instead; the layers in
-``engine.model.layers`` do exactly that, so every other device and dtype keeps
+``pagedserve.engine.model.layers`` do exactly that, so every other device and dtype keeps
 the torch path. The norm with a residual and the rotary write their inputs in
 place, as vLLM's CPU and CUDA ops do: the decoder layer hands them tensors no
 one else reads.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.c_kernels import load_c_library
+from pagedserve.engine.model.c_kernels import load_c_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}

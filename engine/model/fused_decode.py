@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.c_kernels import load_c_library
-from engine.model.cpu_attention import CpuAttentionBackend
-from engine.model.quant_kernels import KERNEL_MAX_ROWS, CWeight
+from pagedserve.engine.model.c_kernels import load_c_library
+from pagedserve.engine.model.cpu_attention import CpuAttentionBackend
+from pagedserve.engine.model.quant_kernels import KERNEL_MAX_ROWS, CWeight
 
 if TYPE_CHECKING:
-    from engine.model.attention import AttentionMetadata
-    from engine.model.llama import LlamaForCausalLM
+    from pagedserve.engine.model.attention import AttentionMetadata
+    from pagedserve.engine.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Building blocks of decoder-only transformers: norms, rotary embedding, MLP.
 
-Linear layers are in ``engine.model.linear``, the embedding and LM head in
-``engine.model.vocab_embedding``. Parameters are created with ``torch.empty``
+Linear layers are in ``pagedserve.engine.model.linear``, the embedding and LM head in
+``pagedserve.engine.model.vocab_embedding``. Parameters are created with ``torch.empty``
 (no random init): the loader fills every one from a checkpoint, and skipping
 init keeps construction of a large model cheap. Modules follow the current
 default device and dtype, so the loader builds them inside
@@ -16,11 +16,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.model import cpu_ops
-from engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
-from engine.model.linear_methods import LinearMethodBase
-from engine.model.parallel import TensorParallel
-from engine.model.weights import ShardId, check_shape, set_weight_loader
+from pagedserve.engine.model import cpu_ops
+from pagedserve.engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
+from pagedserve.engine.model.linear_methods import LinearMethodBase
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.weights import ShardId, check_shape, set_weight_loader
 
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.

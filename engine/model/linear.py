@@ -25,9 +25,9 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from engine.model.linear_methods import LinearMethodBase
-from engine.model.parallel import TensorParallel
-from engine.model.weights import ShardId, copy_shard, set_weight_loader
+from pagedserve.engine.model.linear_methods import LinearMethodBase
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.weights import ShardId, copy_shard, set_weight_loader
 
 
 class LinearBase(nn.Module, ABC):

@@ -1,13 +1,13 @@
 """How a linear layer stores and multiplies its weight: plain, pre-packed for oneDNN, or quantized.
 
-A layer (``engine.model.linear``) decides the shape of its slice and how
+A layer (``pagedserve.engine.model.linear``) decides the shape of its slice and how
 checkpoint tensors map onto it; its ``LinearMethodBase`` decides what the
 weight is in memory and which kernel multiplies by it. The split is vLLM's
 (``vllm/model_executor/layers/linear.py``, ``LinearMethodBase``): the method
 creates the layer's weight parameters (``create_weights``), may rewrite them
 once after loading (``process_weights_after_loading``), and runs the product
 (``apply``). A quantization scheme (GGUF blocks, int8, int4:
-``engine.model.quantization``) is one more subclass; the model code does not
+``pagedserve.engine.model.quantization``) is one more subclass; the model code does not
 change. ``linear_method_for`` is the one place that picks the method for a
 device, dtype and quantization.
 """
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.cpu_threads import all_threads
-from engine.model.quant_kernels import QuantizedWeight, dequantize, quantized_linear
-from engine.model.quantization import quantize_int4, quantize_int8, staged_shape, unstage_once
-from engine.model.weights import WeightLoader, set_weight_loader
+from pagedserve.engine.model.cpu_threads import all_threads
+from pagedserve.engine.model.quant_kernels import QuantizedWeight, dequantize, quantized_linear
+from pagedserve.engine.model.quantization import quantize_int4, quantize_int8, staged_shape, unstage_once
+from pagedserve.engine.model.weights import WeightLoader, set_weight_loader
 
 
 class LinearMethodBase(ABC):
@@ -81,7 +81,7 @@ class OneDNNPackedLinearMethod(UnquantizedLinearMethod):
     layer holds ``packed_weight``, and a float32 one its plain weight too, as
     ``plain_weight`` (a tensor, no longer a parameter: the module does not list
     it in ``parameters()`` or ``state_dict()``), for the fused CPU decode
-    (``engine.model.fused_decode``, which multiplies dense weights in float32
+    (``pagedserve.engine.model.fused_decode``, which multiplies dense weights in float32
     only); ``release_plain_weights`` drops it where nothing reads it.
     """
 
@@ -204,7 +204,7 @@ class WeightOnlyQuantizedLinearMethod(QuantizedLinearMethod):
 class GGUFLinearMethod(QuantizedLinearMethod):
     """``--quantization gguf``: the file's Q4_0, Q4_1 and Q8_0 blocks, as stored.
 
-    The weight is created staged (``engine.model.quantization``: ``[out,
+    The weight is created staged (``pagedserve.engine.model.quantization``: ``[out,
     in / 32, 34]`` in ``staging_dtype``), which the layers' weight loaders cut
     like a plain weight; after loading it is packed when all its blocks are of
     one kind, else (other GGUF types) dequantized into a float layer.

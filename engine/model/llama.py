@@ -12,7 +12,7 @@ together are stored fused so that each runs as one matmul: ``q_proj``,
 ``k_proj``, ``v_proj`` -> ``qkv_proj``; ``gate_proj``, ``up_proj`` ->
 ``gate_up_proj``; Qwen3's ``q_norm``, ``k_norm`` -> ``qk_norm``
 (``stacked_params_mapping``). Layers are tensor-parallel as in vLLM's
-``llama.py`` (``engine.model.linear``); each parameter's weight loader copies
+``llama.py`` (``pagedserve.engine.model.linear``); each parameter's weight loader copies
 its rank's slice of a checkpoint tensor into its place.
 
 Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with
@@ -30,15 +30,15 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from engine.model.fused_decode import FusedDecoder
-from engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
-from engine.model.linear import QKVParallelLinear, RowParallelLinear
-from engine.model.linear_methods import LinearMethodBase, release_plain_weights
-from engine.model.parallel import TensorParallel
-from engine.model.registry import CausalLM
-from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
+from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from pagedserve.engine.model.fused_decode import FusedDecoder
+from pagedserve.engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
+from pagedserve.engine.model.linear import QKVParallelLinear, RowParallelLinear
+from pagedserve.engine.model.linear_methods import LinearMethodBase, release_plain_weights
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.registry import CausalLM
+from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +152,13 @@ class LlamaForCausalLM(CausalLM):
     """A Llama-family model on the paged KV cache.
 
     Build it under ``torch.device(...)`` and the wanted default dtype (see
-    ``engine.model.loader.load_model``); parameters start uninitialised until
+    ``pagedserve.engine.model.loader.load_model``); parameters start uninitialised until
     ``load_weights``, after which the loader lets each layer's linear method
     process its weights.
 
     Args:
         config: the HF config.
-        attn_backend: name of a registered attention backend (``engine.model.attention``).
+        attn_backend: name of a registered attention backend (``pagedserve.engine.model.attention``).
         block_size: tokens per KV cache block, for the attention backend.
         linear_method: how every linear layer stores and multiplies its weight.
         tp: the tensor-parallel group; ``num_heads`` and ``num_kv_heads`` are this rank's.

@@ -9,7 +9,7 @@ Weights are read straight from the files and copied into the model by their
 HF names (``CausalLM.load_weights``); the transformers model is never built.
 GGUF tensors are dequantized to float32 with the ``gguf`` package and renamed
 with its tensor-name map, the same way transformers' GGUF loader does; with
-``--quantization gguf`` they keep their blocks instead (``engine.model.quantization``).
+``--quantization gguf`` they keep their blocks instead (``pagedserve.engine.model.quantization``).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from engine.config import ModelConfig, cache_dir
-from engine.model.linear import split_heads
-from engine.model.linear_methods import LinearMethodBase, UnquantizedLinearMethod, linear_method_for
-from engine.model.parallel import TensorParallel
-from engine.model.quant_kernels import GROUP_SIZE, QuantizedWeight
-from engine.model.quantization import stage_gguf_tensor, staging_dtype
-from engine.model.registry import CausalLM, model_class
-from engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.engine.config import ModelConfig, cache_dir
+from pagedserve.engine.model.linear import split_heads
+from pagedserve.engine.model.linear_methods import LinearMethodBase, UnquantizedLinearMethod, linear_method_for
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.quant_kernels import GROUP_SIZE, QuantizedWeight
+from pagedserve.engine.model.quantization import stage_gguf_tensor, staging_dtype
+from pagedserve.engine.model.registry import CausalLM, model_class
+from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor

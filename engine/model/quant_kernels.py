@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.model.c_kernels import load_c_library
+from pagedserve.engine.model.c_kernels import load_c_library
 
 GROUP_SIZE = 32  # weights per quantization block along the input dimension (GGUF's QK4_0/QK4_1/QK8_0)
 #: Rows of a weight interleaved in its layout (the int32 lanes of a 512-bit register).

@@ -10,7 +10,7 @@ All three end in a ``quant_kernels.QuantizedWeight``: blocks of ``GROUP_SIZE``
   *staged*: ``[rows, in_features / 32, 34]``, each block's 32 codes, its scale
   and its offset (``stage_gguf_tensor``). Rows are output features and the
   second dimension is whole blocks, so the tensor-parallel weight loaders
-  (``engine.model.linear``), which cut rows or input features, cut staged
+  (``pagedserve.engine.model.linear``), which cut rows or input features, cut staged
   tensors on block boundaries unchanged. A tensor of another GGUF type (F16,
   K-quants) is staged as its values, marked by a NaN scale. After loading,
   ``unstage`` packs a layer's blocks when they are all of one kind and leaves
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.model.quant_kernels import GROUP_SIZE, QuantizedWeight, pack_q4, pack_q8
+from pagedserve.engine.model.quant_kernels import GROUP_SIZE, QuantizedWeight, pack_q4, pack_q8
 
 if TYPE_CHECKING:  # gguf takes 0.4 s to import: only GGUF models pay for it
     from gguf import GGMLQuantizationType

@@ -18,15 +18,15 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from engine.model.attention import AttentionBackend, AttentionMetadata
-from engine.model.linear_methods import release_plain_weights
+from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata
+from pagedserve.engine.model.linear_methods import release_plain_weights
 
 # architecture name -> "module:class"
 _ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "engine.model.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "engine.model.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "engine.model.llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "engine.model.llama:Qwen3ForCausalLM",
+    "LlamaForCausalLM": "pagedserve.engine.model.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedserve.engine.model.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "pagedserve.engine.model.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "pagedserve.engine.model.llama:Qwen3ForCausalLM",
 }
 
 
@@ -34,7 +34,7 @@ class CausalLM(nn.Module, ABC):
     """A decoder-only language model running on the paged KV cache.
 
     Constructed as ``cls(hf_config, attn_backend=name, block_size=..., linear_method=..., tp=...)``
-    (see ``engine.model.loader.load_model``).
+    (see ``pagedserve.engine.model.loader.load_model``).
 
     Attributes (read by the model runner to allocate the KV cache and logits):
         num_layers: decoder layers, i.e. KV cache tensors.

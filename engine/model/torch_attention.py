@@ -36,9 +36,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
-from engine.model.cpu_threads import all_threads
-from engine.profiling import region
+from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.engine.model.cpu_threads import all_threads
+from pagedserve.engine.profiling import region
 
 
 @dataclass

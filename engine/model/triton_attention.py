@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
-from engine.profiling import region
+from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, register_backend
+from pagedserve.engine.profiling import region
 
 
 @register_backend("triton")
@@ -39,7 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, block_size: int) -> None:
         super().__init__(block_size)
-        self._kernels = importlib.import_module("engine.model.triton_kernels")
+        self._kernels = importlib.import_module("pagedserve.engine.model.triton_kernels")
 
     def forward(
         self,

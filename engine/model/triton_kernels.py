@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.model.attention import AttentionMetadata
+from pagedserve.engine.model.attention import AttentionMetadata
 
 # Keys per inner-loop iteration of the attention kernel; independent of the KV block size.
 _TILE_N = 32

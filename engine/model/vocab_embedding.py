@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.linear_methods import LinearMethodBase
-from engine.model.parallel import TensorParallel
-from engine.model.quant_kernels import QuantizedWeight, embedding_rows
-from engine.model.quantization import staged_shape, unstage_once
-from engine.model.weights import ShardId, check_shape, set_weight_loader
+from pagedserve.engine.model.linear_methods import LinearMethodBase
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.quant_kernels import QuantizedWeight, embedding_rows
+from pagedserve.engine.model.quantization import staged_shape, unstage_once
+from pagedserve.engine.model.weights import ShardId, check_shape, set_weight_loader
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def stage_blocks(self, staging_dtype: torch.dtype) -> None:
         """Make the (not yet loaded) table take staged GGUF blocks, ``[rows, embedding_dim / 32, 34]``
-        (``engine.model.quantization``). The parameter stays the same object, so a tied head follows.
+        (``pagedserve.engine.model.quantization``). The parameter stays the same object, so a tied head follows.
 
         Raises:
             ValueError: when ``embedding_dim`` is not a multiple of 32.

@@ -7,7 +7,7 @@ bad schema with a 400 before anything is queued. ``GuidanceManager`` is the sche
 allowed-token bitmask and advances the matchers by the sampled tokens.
 """
 
-from engine.structured_output.compiler import GrammarCompiler
-from engine.structured_output.manager import GuidanceManager
+from pagedserve.engine.structured_output.compiler import GrammarCompiler
+from pagedserve.engine.structured_output.manager import GuidanceManager
 
 __all__ = ["GrammarCompiler", "GuidanceManager"]

@@ -30,8 +30,8 @@ import llguidance
 import llguidance.hf
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputsParams
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

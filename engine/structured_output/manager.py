@@ -9,9 +9,9 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.request import Request
-from engine.structured_output.compiler import GrammarCompiler, client_message
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.request import Request
+from pagedserve.engine.structured_output.compiler import GrammarCompiler, client_message
 
 #: Threads filling the step's masks (each row is independent): one per row up to this many.
 NUM_MASK_THREADS = 2

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata
+from pagedserve.engine.model.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.worker.block_table import BlockTable
-from engine.worker.sampling_metadata import LogitBias, SamplingMetadata
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.worker.block_table import BlockTable
+from pagedserve.engine.worker.sampling_metadata import LogitBias, SamplingMetadata
 
 
 @dataclass

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.worker.host_resources import available_memory_bytes
+from pagedserve.engine.worker.host_resources import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 

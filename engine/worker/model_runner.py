@@ -21,18 +21,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
-from engine.model.attention import AttentionMetadata
-from engine.model.cpu_threads import serial_elementwise, small_step_threads, threads_at_most
-from engine.model.registry import CausalLM
-from engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
-from engine.profiling import region
-from engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
-from engine.worker.host_resources import available_cores
-from engine.worker.input_batch import CachedRequestState, InputBatch
-from engine.worker.rejection_sampler import RejectionSampler
-from engine.worker.sampler import Sampler, compute_logprobs_tensors
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.model.attention import AttentionMetadata
+from pagedserve.engine.model.cpu_threads import serial_elementwise, small_step_threads, threads_at_most
+from pagedserve.engine.model.registry import CausalLM
+from pagedserve.engine.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from pagedserve.engine.profiling import region
+from pagedserve.engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
+from pagedserve.engine.worker.host_resources import available_cores
+from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.engine.worker.rejection_sampler import RejectionSampler
+from pagedserve.engine.worker.sampler import Sampler, compute_logprobs_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ _PROMPT_LOGPROBS_ROWS = 256
 #: CPU steps of at most this many tokens run their elementwise ops on one thread. Above it (long
 #: prefill chunks) each op has hundreds of thousands of elements and parallelising them pays.
 SERIAL_ELEMENTWISE_MAX_TOKENS = 512
-#: CPU steps of at most this many tokens leave ``cpu_reserved_cores`` to the frontend (``engine.model.cpu_threads``).
+#: CPU steps of at most this many tokens leave ``cpu_reserved_cores`` to the frontend (``engine/model/cpu_threads.py``).
 #: Measured in the server (SmolLM2 GGUF, 2 cores, 3 interleaved runs), output tok/s on one thread / on two:
 #: 1.3-2.2x at 1 stream, 1.2-1.4x at 2, 0.9-1.1x at 4; at 16 streams and above two threads win.
 RESERVED_CORES_MAX_TOKENS = 4
@@ -83,7 +83,7 @@ class ModelRunner:
 
     Args:
         config: the engine's resolved configuration (batch and sequence limits, block size, seed).
-        model: a model from ``engine.model.loader.load_model``.
+        model: a model from ``pagedserve.engine.model.loader.load_model``.
         kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
         device: where the model runs.
     """

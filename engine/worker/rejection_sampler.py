@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprobs
-from engine.worker.sample_ops import exponential_race, process_logits, sampling_probs
-from engine.worker.sampler import LogprobsTensors, check_logits_shape, compute_logprobs_tensors
-from engine.worker.sampling_metadata import SamplingMetadata
+from pagedserve.engine.outputs import TokenLogprobs
+from pagedserve.engine.worker.sample_ops import exponential_race, process_logits, sampling_probs
+from pagedserve.engine.worker.sampler import LogprobsTensors, check_logits_shape, compute_logprobs_tensors
+from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass

@@ -20,7 +20,7 @@ import itertools
 
 import torch
 
-from engine.worker.sampling_metadata import SamplingMetadata
+from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
 
 #: Bits in one word of a packed allowed-token bitmask (int32 words, as xgrammar and llguidance pack them).
 BITMASK_WORD_BITS = 32

@@ -1,7 +1,7 @@
 """Turns one step's logits into sampled tokens (and their logprobs).
 
 The steps, in order, follow vLLM V1's sampler; each is a small op in
-``engine.worker.sample_ops`` that costs nothing when no row uses it:
+``pagedserve.engine.worker.sample_ops`` that costs nothing when no row uses it:
 
 1. logprobs, when any row asks for them, from the *raw* logits (vLLM's default
    ``raw_logprobs``: before any processing below);
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import TokenLogprobs
-from engine.worker.sample_ops import process_logits, sample_tokens
-from engine.worker.sampling_metadata import SamplingMetadata
+from pagedserve.engine.outputs import TokenLogprobs
+from pagedserve.engine.worker.sample_ops import process_logits, sample_tokens
+from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass

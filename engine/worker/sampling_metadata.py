@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import GREEDY_TEMPERATURE_EPS
+from pagedserve.engine.sampling_params import GREEDY_TEMPERATURE_EPS
 
 
 @dataclass

@@ -19,22 +19,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
-from engine.core.scheduler_output import GrammarOutput, SchedulerOutput
-from engine.model.attention import AttentionMetadata, check_attention_backend
-from engine.model.loader import load_model, model_weights_source, resolve_dtype
-from engine.model.parallel import TensorParallel
-from engine.model.registry import CausalLM
-from engine.outputs import ModelRunnerOutput
-from engine.worker.block_table import slot_mapping
-from engine.worker.host_resources import limit_threads_to_cpu_quota
-from engine.worker.kv_cache import (
+from pagedserve.engine.config import EngineConfig
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.model.attention import AttentionMetadata, check_attention_backend
+from pagedserve.engine.model.loader import load_model, model_weights_source, resolve_dtype
+from pagedserve.engine.model.parallel import TensorParallel
+from pagedserve.engine.model.registry import CausalLM
+from pagedserve.engine.outputs import ModelRunnerOutput
+from pagedserve.engine.worker.block_table import slot_mapping
+from pagedserve.engine.worker.host_resources import limit_threads_to_cpu_quota
+from pagedserve.engine.worker.kv_cache import (
     allocate_kv_caches,
     available_cuda_kv_bytes,
     default_cpu_kv_cache_bytes,
     kv_cache_bytes_per_block,
 )
-from engine.worker.model_runner import ModelRunner
+from pagedserve.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@
                                   -> handle + request router (server.replicas.router)
                                       -> EngineReplica: build_app()'s FastAPI app and its AsyncLLM
 
-Each replica runs the app ``pagedserve serve`` runs (``server.app.build_app``), so the routes, their
+Each replica runs the app ``pagedserve serve`` runs (``pagedserve.server.app.build_app``), so the routes, their
 answers and the API key check are the same; its lifespan creates the engine when the replica starts
 and drains it when Ray Serve stops the replica. Ray Serve calls ``check_health`` every
 ``health_check_period_s``: an engine that died fails it, and Ray Serve replaces the replica, as it does
@@ -28,13 +28,13 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from engine.config import EngineArgs
-from server.app import ServerArgs, build_app
-from server.logging_config import log_config
-from server.replicas.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseStart, run_asgi
-from server.replicas.ingress import Ingress
-from server.replicas.router import ROUTER_CLASSES
-from server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
+from pagedserve.engine.config import EngineArgs
+from pagedserve.server.app import ServerArgs, build_app
+from pagedserve.server.logging_config import log_config
+from pagedserve.server.replicas.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseStart, run_asgi
+from pagedserve.server.replicas.ingress import Ingress
+from pagedserve.server.replicas.router import ROUTER_CLASSES
+from pagedserve.server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
 
 APP_NAME = "pagedserve"
 #: How long Ray Serve gives a stopping replica beyond the server's own drain (``shutdown_timeout``).
@@ -128,7 +128,7 @@ def app_builder(args: Mapping[str, Any]) -> Application:
         ValueError: an unknown key (named) or an invalid setting.
     """
     # Imported here: the CLI imports this module's package lazily, and its settings logic is reused as is.
-    from server.cli import _settings_fields, resolve_settings
+    from pagedserve.server.cli import _settings_fields, resolve_settings
 
     settings = dict(args)
     config = settings.pop("config", None)

@@ -26,8 +26,8 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server.errors import BodySizeLimitMiddleware, OpenAIError
-from server.replicas.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseStart, app_path
+from pagedserve.server.errors import BodySizeLimitMiddleware, OpenAIError
+from pagedserve.server.replicas.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseStart, app_path
 
 logger = logging.getLogger(__name__)
 

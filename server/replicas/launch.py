@@ -11,10 +11,10 @@ import logging
 import signal
 import time
 
-from engine.config import EngineArgs, ModelConfig
-from server.app import ServerArgs
-from server.cli import StartupError, _bind
-from server.replicas.settings import ReplicaSettings
+from pagedserve.engine.config import EngineArgs, ModelConfig
+from pagedserve.server.app import ServerArgs
+from pagedserve.server.cli import StartupError, _bind
+from pagedserve.server.replicas.settings import ReplicaSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def serve_replicas(engine_args: EngineArgs, server_args: ServerArgs, settings: R
         import ray
         from ray import serve
 
-        from server.replicas.deployment import APP_NAME, build_application
+        from pagedserve.server.replicas.deployment import APP_NAME, build_application
     except ImportError as err:
         raise StartupError(f"--num-replicas needs Ray Serve ({err}): install the ray extra, e.g. "
                            "`.venv/bin/pip install -e \".[ray]\"` in the repository") from err

@@ -38,8 +38,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from server.replicas.forwarding import ForwardedRequest
-from server.replicas.prefix_tree import DEFAULT_CHUNK_CHARS, DEFAULT_MAX_KEYS, PrefixTree
+from pagedserve.server.replicas.forwarding import ForwardedRequest
+from pagedserve.server.replicas.prefix_tree import DEFAULT_CHUNK_CHARS, DEFAULT_MAX_KEYS, PrefixTree
 
 
 def _forwarded(pending_request: PendingRequest | None) -> ForwardedRequest | None:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-#: ``--request-router`` choices (``server.replicas.router``); pow2 is Ray Serve's default policy, without its
+#: ``--request-router`` choices (``pagedserve.server.replicas.router``); pow2 is Ray Serve's default policy, without its
 #: locality preferences.
 REQUEST_ROUTERS = ("prefix", "round_robin", "pow2")
 

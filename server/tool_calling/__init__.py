@@ -13,9 +13,9 @@ whose markup the model's chat template shows, else ``DEFAULT_TOOL_PARSER``. Addi
 
 from __future__ import annotations
 
-from server.tool_calling.base import ParsedDelta, ParsedReply, ToolCallDelta, ToolParser, parse_reply
-from server.tool_calling.hermes import HermesToolParser
-from server.tool_calling.plan import Tool, ToolPlan, plan_tools
+from pagedserve.server.tool_calling.base import ParsedDelta, ParsedReply, ToolCallDelta, ToolParser, parse_reply
+from pagedserve.server.tool_calling.hermes import HermesToolParser
+from pagedserve.server.tool_calling.plan import Tool, ToolPlan, plan_tools
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,)}
 DEFAULT_TOOL_PARSER = "hermes"

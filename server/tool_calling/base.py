@@ -1,7 +1,7 @@
 """What every tool-call format provides: an incremental parser, a grammar and a prompt fallback.
 
 A format (Hermes' ``<tool_call>`` markup, ...) is one ``ToolParser`` subclass, registered by name in
-``server.tool_calling.TOOL_PARSERS``. The same parser splits a reply whole and streamed: a whole reply
+``pagedserve.server.tool_calling.TOOL_PARSERS``. The same parser splits a reply whole and streamed: a whole reply
 is fed in one piece (``parse_reply``), so a streamed reply's deltas always add up to the whole one.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from server.tool_calling.plan import ToolPlan
+from pagedserve.server.tool_calling.plan import ToolPlan
 
 
 @dataclass

@@ -31,9 +31,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.structured_output.compiler import JSON_FORMAT
-from server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser
-from server.tool_calling.plan import ToolPlan
+from pagedserve.engine.structured_output.compiler import JSON_FORMAT
+from pagedserve.server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser
+from pagedserve.server.tool_calling.plan import ToolPlan
 
 logger = logging.getLogger(__name__)
 

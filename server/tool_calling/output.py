@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import uuid
 
-from server.protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from server.tool_calling.base import ParsedDelta, ToolParser, parse_reply
+from pagedserve.server.protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from pagedserve.server.tool_calling.base import ParsedDelta, ToolParser, parse_reply
 
 
 def call_id() -> str:

@@ -21,11 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output.compiler import GrammarCompiler
-from server.errors import bad_request
-from server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice, TokenizeRequest
+from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.engine.structured_output.compiler import GrammarCompiler
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import ChatCompletionRequest, ChatCompletionTool, NamedToolChoice, TokenizeRequest
 
 #: OpenAI's rule for function names.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -7,10 +7,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.chat_template import takes_tools
-from server.protocol import ChatMessage, conversation
-from server.tool_calling.base import ToolParser
-from server.tool_calling.plan import ToolPlan
+from pagedserve.engine.chat_template import takes_tools
+from pagedserve.server.protocol import ChatMessage, conversation
+from pagedserve.server.tool_calling.base import ToolParser
+from pagedserve.server.tool_calling.plan import ToolPlan
 
 
 def render_inputs(messages: list[ChatMessage], plan: ToolPlan | None, tool_format: type[ToolParser],

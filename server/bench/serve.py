@@ -5,10 +5,10 @@ chunks as they arrive, and reports throughput and TTFT/TPOT/ITL/E2E latency.
 With ``--api-key`` (default: ``$OPENAI_API_KEY``) every request carries
 ``Authorization: Bearer <key>``, as the openai SDK sends it.
 
-With ``--plot out.png`` it also draws the run (``benchmarks/plots.py``): TTFT, TPOT
+With ``--plot out.png`` it also draws the run (``server/bench/plots.py``): TTFT, TPOT
 and ITL distributions and output tokens/s over time.
 
-    python -m benchmarks.serve --base-url http://127.0.0.1:8000 \
+    python -m pagedserve.server.bench.serve --base-url http://127.0.0.1:8000 \
         --num-prompts 64 --max-concurrency 16 --input-len 64:512 --output-len 128 --ignore-eos
 """
 
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,8 +31,14 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.dataset import SyntheticRequest, Tokenizer, parse_len_range, sample_requests
-from benchmarks.metrics import RequestResult, compute_metrics, format_report, result_from_timestamps
+from pagedserve.server.bench.dataset import (
+    SyntheticRequest,
+    Tokenizer,
+    load_tokenizer,
+    parse_len_range,
+    sample_requests,
+)
+from pagedserve.server.bench.metrics import RequestResult, compute_metrics, format_report, result_from_timestamps
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -281,8 +289,10 @@ def run(args: argparse.Namespace) -> int:
         0 when at least one request completed (and ``--plot``, if given, was written), 1 otherwise
         (a server that cannot be reached or refuses the key is one line on stderr, not a traceback).
     """
-    from benchmarks.model_files import load_tokenizer
-
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Before the run, not after it: a long run should not end without the plot it was asked for.
+        print("error: --plot needs matplotlib: pip install 'matplotlib>=3.8'", file=sys.stderr)
+        return 1
     # The server first: a wrong key or URL shows in a second, before the tokenizer loads.
     try:
         model = args.model or asyncio.run(fetch_first_model(args.base_url, args.api_key))
@@ -315,11 +325,7 @@ def run(args: argparse.Namespace) -> int:
 def _write_plot(args: argparse.Namespace, options: ServeOptions, metrics: dict[str, float | int],
                 results: list[TimedResult]) -> bool:
     """Draw the run to ``args.plot``; False, with why on stderr, when it cannot."""
-    try:
-        from benchmarks.plots import save_serve_plot  # matplotlib loads only when a plot is asked for
-    except ImportError as exc:
-        print(f"--plot needs matplotlib (pip install 'pagedserve[bench]'): {exc}", file=sys.stderr)
-        return False
+    from pagedserve.server.bench.plots import save_serve_plot  # matplotlib loads only when a plot is asked for
 
     concurrency = options.max_concurrency or "unlimited"
     rate = f"{options.request_rate:g} req/s" if np.isfinite(options.request_rate) else "all at once"
@@ -335,9 +341,9 @@ def _write_plot(args: argparse.Namespace, options: ServeOptions, metrics: dict[s
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse ``argv`` (default: sys.argv) and run; returns the exit code."""
-    parser = add_cli_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser = add_cli_args(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0]))
     return run(parser.parse_args(argv))
 
 

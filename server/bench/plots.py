@@ -1,16 +1,16 @@
 """Figures of benchmark runs, drawn with matplotlib's Agg backend (no display, no pyplot state).
 
-- ``save_serve_plot``: one run of ``benchmarks/serve.py`` (``pagedserve bench serve --plot out.png``):
+- ``save_serve_plot``: one run of ``server/bench/serve.py`` (``pagedserve bench serve --plot out.png``):
   ECDFs of TTFT, TPOT and ITL with p50/p99 marked, and output tokens/s over time in 1 s bins
   with the requests in flight.
 - ``save_comparison_plot``: the runs of ``make bench`` (``benchmarks/run_all.py``): output tok/s,
   TTFT and TPOT (p50 bars, whiskers to p99) per scenario, one bar per server.
 
 Every function refuses empty input with a ``ValueError`` that says what was missing.
-Percentiles are ``np.percentile``'s, as in ``benchmarks/metrics.py``, so the marked values
+Percentiles are ``np.percentile``'s, as in ``server/bench/metrics.py``, so the marked values
 equal the printed report's.
 
-    python -m benchmarks.plots benchmarks/results/bench-20261130-040504.json  # -> .png beside it
+    python -m pagedserve.server.bench.plots benchmarks/results/bench-20261130-040504.json  # -> .png beside it
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 if TYPE_CHECKING:
-    from benchmarks.serve import TimedResult
+    from pagedserve.server.bench.serve import TimedResult
 
 MARKED_PERCENTILES = (50, 99)
 DPI = 100
@@ -166,7 +166,7 @@ def plot_throughput(ax: Axes, edges_s: np.ndarray, tok_per_s: np.ndarray, mean_t
 
 def serve_run_figure(results: Sequence[TimedResult], duration_s: float, title: str = "",
                      bin_s: float = 1.0) -> Figure:
-    """One figure of a ``benchmarks/serve.py`` run: TTFT, TPOT and ITL ECDFs and throughput over time.
+    """One figure of a ``server/bench/serve.py`` run: TTFT, TPOT and ITL ECDFs and throughput over time.
 
     Args:
         results: the run's per-request results (``serve.TimedResult``: ``sent_s`` places each on the

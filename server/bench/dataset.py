@@ -13,7 +13,8 @@ dataset.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,6 +32,26 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+
+def load_tokenizer(name_or_path: str | None = None) -> Any:
+    """A Hugging Face tokenizer for the benchmark's prompts (about 6 s for a GGUF one).
+
+    Args:
+        name_or_path: a ``.gguf`` file, a local tokenizer folder or a hub id (its tokenizer files only);
+            None means the server's embedded default model.
+    """
+    from transformers import AutoTokenizer
+
+    if not name_or_path:
+        from pagedserve.engine.model.loader import load_tokenizer as load_model_tokenizer
+        from pagedserve.engine.model.loader import resolve_model_path
+
+        return load_model_tokenizer(resolve_model_path(None))
+    path = Path(name_or_path)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(name_or_path)
 
 
 @dataclass(frozen=True)
