@@ -56,7 +56,7 @@ install-chromium:
 			"the browser tests will skip: apt-get install chromium"; \
 	fi
 
-# Every tier (README, "Tests"); `make test-fast` runs the unit tests alone, for the inner loop.
+# Every tier (docs/testing.md); `make test-fast` runs the unit tests alone, for the inner loop.
 test: install-test install-chromium
 	$(BIN)/python -m pytest -q tests
 

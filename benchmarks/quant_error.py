@@ -240,7 +240,7 @@ def run(window: int, min_tokens: int, dtypes: list[str]) -> dict:
 
 
 def markdown(report: dict) -> str:
-    """The report as the README's table."""
+    """The report as the table of docs/quantization.md."""
     lines = ["| model | activations | path | mean KL (nats/token) | top-1 agreement | flipped gap p99 / max "
              "| perplexity | weights MiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |",

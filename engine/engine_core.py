@@ -1,10 +1,12 @@
-"""``EngineCore``: the scheduler and an executor joined into one step function (design section 1).
+"""``EngineCore``: the scheduler and an executor joined into one step function.
+
+docs/architecture.md, "One engine step", walks through it.
 
 ``step()`` is, as in vLLM V1: ``schedule()`` -> ``execute_model()`` (forward,
 logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
 ``update_from_output()``. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
-applies new requests and aborts between steps. The core touches no device and
-no torch: the executor does.
+applies new requests and aborts between steps. The core touches no device: the executor does. Its only
+torch import is ``engine.profiling``'s regions, which time the step's phases.
 
 A fault in one request's own data (its worker state, its row's inputs, its sampling, the
 scheduler's accounting of its tokens) fails that request alone: it ends with ``FinishReason.ERROR``
@@ -72,6 +74,8 @@ class EngineCore:
         speculative = config.speculative_config
         if drafter is None and speculative is not None:
             drafter = make_drafter(speculative)
+        if speculative is not None:
+            logger.info("speculative decoding: %s", ", ".join(f"{k}={v}" for k, v in vars(speculative).items()))
         gate = DraftGate(speculative.disable_by_batch_size if speculative else None)
         self.scheduler = Scheduler(self.config.scheduler_config, self.config.cache_config,
                                    structured_output_manager=structured_output_manager, drafter=drafter,

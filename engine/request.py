@@ -1,4 +1,4 @@
-"""The scheduler's record of one request (design section 2)."""
+"""The scheduler's record of one request (docs/architecture.md, "The life of a request")."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Every ``EngineArgs`` and ``ServerArgs`` field is a YAML key and a flag; its
 metadata (help, unit, choices) and default are the single source of the
 ``--help`` text, this table and the checks on ``configs/*.yaml``.
-``python -m pagedserve.config_table`` prints the table; paste it into README.md
+``python -m pagedserve.server.config_table`` prints the table; paste it into README.md
 between the ``<!-- config-table:start -->`` and ``<!-- config-table:end -->``
 markers (a test fails when the two differ).
 """
@@ -46,7 +46,8 @@ def _flag(f: dataclasses.Field, hint: Any) -> str:
 def _row(f: dataclasses.Field, hint: Any) -> str:
     description = f.metadata["help"]
     if f.metadata.get("choices"):
-        description += "; one of " + ", ".join(f"`{choice}`" for choice in f.metadata["choices"])
+        # None is the unset value the description already calls "empty".
+        description += "; one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"] if c is not None)
     cells = [f"`{f.name}`", _flag(f, hint), f"`{shown_default(f)}`", f.metadata.get("unit") or "", description]
     # Markdown would take "|" for a cell border and "<key>" for an HTML tag.
     escaped = (cell.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;") for cell in cells)

@@ -7,7 +7,7 @@ once per session. ``serve_app`` builds more apps around that same ``AsyncLLM``
 app with an engine of its own, for tests that break it. Tests talk HTTP to the
 servers and read engine state in-process (``served.engine.get_stats()``).
 
-``pytest_collection_modifyitems`` gives every test its tier marker (README, "Tests").
+``pytest_collection_modifyitems`` gives every test its tier marker (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequ
         log.close()
 
 
-# --------------------------------------------------------------------------- test tiers (README, "Tests")
+# --------------------------------------------------------------------------- test tiers (docs/testing.md)
 
 #: Fixtures that start a server (this file's) or a browser (test_dashboard_browser.py's): a test that uses one,
 #: itself or through another fixture, is in the ``server`` tier.

@@ -22,8 +22,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.server.bench import serve
 from benchmarks.roofline import decode_bandwidth_bound_s, model_flops_utilisation
+from pagedserve.server.bench import serve
 from pagedserve.server.bench.dataset import SyntheticRequest, parse_len_range, sample_requests
 from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
 

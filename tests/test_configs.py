@@ -94,7 +94,7 @@ def test_flags_override_the_config_file() -> None:
 def test_readme_configuration_table_is_the_generated_one() -> None:
     readme = ROOT / "README.md"
     how = ("put `<!-- config-table:start -->` and `<!-- config-table:end -->` in README.md and paste the output "
-           "of `python -m pagedserve.config_table` between them")
+           "of `python -m pagedserve.server.config_table` between them")
     if not readme.is_file():
         pytest.fail(f"README.md is missing: write it, then {how}")
     table = readme_table(readme.read_text())

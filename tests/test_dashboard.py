@@ -77,7 +77,10 @@ def test_the_stream_sends_the_backlog_then_new_steps(client: httpx.Client, serve
             if any(f["reason"] == "length" for f in seen[-1]["finished"]):
                 break
         sender.join()
-    assert seen[0]["step"] == last  # the backlog of one
+    # The backlog of one: the newest record when the stream began. That may be a step after ``last``: the
+    # step after a finish that only tells the worker to drop the request can be recorded after the
+    # completion's response, so a loaded machine sees it after reading ``last`` (seen once: 10 == 9).
+    assert seen[0]["step"] >= last
     steps = [record["step"] for record in seen]
     assert steps == list(range(last, last + len(steps)))  # every step, in order, with every_step
 

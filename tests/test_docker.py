@@ -173,12 +173,12 @@ def test_runtime_installs_the_wheel_not_the_source_tree_and_warms_up_the_install
     steps = stages()["runtime"]
     copies = [arguments for instruction, arguments in steps if instruction == "COPY"]
     sources = {c.split()[0] for c in copies if not c.startswith("--from")}
-    assert sources.isdisjoint({"engine", "server", "benchmarks", "pyproject.toml", "."})
+    assert sources.isdisjoint({"pagedserve", "engine", "server", "benchmarks", "pyproject.toml", "."})
     assert "--from=wheel /wheels /tmp/wheels" in copies
     assert "pip wheel --no-cache-dir --no-deps" in " ".join(instructions("RUN", "wheel"))
     names = [instruction for instruction, _ in steps]
     warm = next(i for i, (instruction, arguments) in enumerate(steps)
-                if instruction == "RUN" and arguments.startswith("python -P -c \"from engine import LLM"))
+                if instruction == "RUN" and arguments.startswith("python -P -c \"from pagedserve import LLM"))
     assert names.index("USER") < warm  # as the user that serves, which owns the cache it fills
     install = next(i for i, (_, arguments) in enumerate(steps) if "pip install --no-cache-dir --no-deps" in arguments)
     assert install < warm

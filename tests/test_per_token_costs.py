@@ -161,8 +161,8 @@ def test_a_stop_string_among_the_most_allowed_cuts_every_completion(client):
     assert [(c["text"], c["finish_reason"]) for c in choices] == [(text[:text.index(stop)], "stop")] * 3
 
 
-def test_the_readme_states_the_limits():
-    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().split())
+def test_the_api_doc_states_the_limits():
+    readme = " ".join((Path(__file__).parent.parent / "docs" / "api.md").read_text().split())
     assert (f"`stop` at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS:,} characters each"
             in readme)
     assert f"`stop_token_ids` at most {MAX_STOP_TOKEN_IDS:,} ids" in readme

@@ -1,4 +1,4 @@
-"""README.md's examples, run as written against the real server, must answer sensibly.
+"""The examples of README.md and of docs/*.md, run as written against the real server, must answer sensibly.
 
 Which blocks run:
 
@@ -49,15 +49,19 @@ GREEDY_ANSWERS = {"capital of France": r"\bParis\b"}
 TIMEOUT_S = 300
 
 
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
 @dataclass
 class Example:
     kind: str   # "curl" or "python"
-    line: int   # README line where the command or block starts
+    line: int   # line of its file where the command or block starts
     code: str
+    file: str = "README.md"  # relative to the repository
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}-{self.kind}"
+        return f"{self.file}:{self.line}-{self.kind}"
 
 
 def _fenced_blocks(text: str) -> list[tuple[str, int, str]]:
@@ -78,24 +82,24 @@ def _fenced_blocks(text: str) -> list[tuple[str, int, str]]:
     return blocks
 
 
-def readme_examples(text: str) -> list[Example]:
+def readme_examples(text: str, file: str = "README.md") -> list[Example]:
     examples = []
     for language, first_line, code in _fenced_blocks(text):
         if language == "python":
-            examples.append(Example("python", first_line, code))
+            examples.append(Example("python", first_line, code, file))
         elif language in ("sh", "bash", "shell"):
             command: list[str] = []
             for offset, line in enumerate([*code.splitlines(), ""]):
                 if not line.strip() or line.lstrip().startswith("#"):
                     if command and command[0].startswith("curl "):
-                        examples.append(Example("curl", first_line + offset - len(command), "\n".join(command)))
+                        examples.append(Example("curl", first_line + offset - len(command), "\n".join(command), file))
                     command = []
                 else:
                     command.append(line)
     return examples
 
 
-EXAMPLES = readme_examples(README.read_text())
+EXAMPLES = [example for doc in DOCS for example in readme_examples(doc.read_text(), doc.relative_to(ROOT).as_posix())]
 
 
 def _curl_request(command: str) -> tuple[str, dict[str, Any]]:
@@ -179,7 +183,7 @@ def _check_python(example: Example, served: Served) -> None:
 
 
 def test_readme_has_curl_and_python_examples() -> None:
-    kinds = {example.kind for example in EXAMPLES}
+    kinds = {example.kind for example in EXAMPLES if example.file == "README.md"}
     assert kinds == {"curl", "python"}, f"found {[e.id for e in EXAMPLES]}"
 
 
@@ -193,7 +197,7 @@ def test_readme_example_answers_sensibly(example: Example, served: Served) -> No
 
 def test_docs_link_only_to_files_in_the_repository() -> None:
     """The repository stands on its own: no link to a file outside it or missing from it."""
-    for doc in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in DOCS:
         text = doc.read_text()
         for target in re.findall(r"\]\(([^)#\s]+)", text):
             if re.match(r"[a-z]+:", target):

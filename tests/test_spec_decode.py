@@ -11,6 +11,7 @@ speculation, itself checked against transformers elsewhere (test_model.py).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -318,3 +319,14 @@ def test_seeded_random_sampling_with_prompt_lookup_is_reproducible(ngram_llm, gr
     drafts_before = ngram_llm.engine_core.make_stats().spec_decoding.num_drafts
     assert sample() == sample()
     assert ngram_llm.engine_core.make_stats().spec_decoding.num_drafts > drafts_before
+
+
+def test_the_engine_says_at_start_that_speculation_is_on(tiny_llama_folder, caplog):
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.engine_core"):
+        run(tiny_llama_folder, PROMPTS[:1], GREEDY, speculative_config=config)
+        run(tiny_llama_folder, PROMPTS[:1], GREEDY)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagedserve.engine.engine_core"
+             and r.getMessage().startswith("speculative decoding")]
+    assert lines == ["speculative decoding: method=ngram, num_speculative_tokens=3, prompt_lookup_min=5, "
+                     "prompt_lookup_max=5, disable_by_batch_size=None"]

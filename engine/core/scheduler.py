@@ -1,4 +1,4 @@
-"""The scheduler: which requests run how many tokens each step (design sections 2 and 5).
+"""The scheduler: which requests run how many tokens each step (docs/architecture.md, "The scheduler side").
 
 There is no prefill or decode phase. Every request has ``num_tokens`` and
 ``num_computed_tokens``; each step gives it up to the difference, within the

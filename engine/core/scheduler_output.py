@@ -1,4 +1,4 @@
-"""One frame of the plan the scheduler hands the model runner (design section 3).
+"""One frame of the plan the scheduler hands the model runner (docs/architecture.md, "Objects that cross a boundary").
 
 The worker sees full data for a request once (``NewRequestData``) and diffs
 afterwards (``CachedRequestData``). ``num_computed_tokens`` in here is where

@@ -1,4 +1,6 @@
-"""The persistent batch: per-row state of the requests the worker runs (design section 4).
+"""The persistent batch: per-row state of the requests the worker runs.
+
+docs/architecture.md, "The executor and the worker", describes it.
 
 Rows are reused across steps: ``add_request`` fills the lowest free row,
 ``remove_request`` leaves a hole and ``condense`` moves tail rows into holes,

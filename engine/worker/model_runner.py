@@ -1,7 +1,7 @@
 """The model runner: applies each ``SchedulerOutput`` to the persistent batch,
 builds the flattened inputs, runs the forward pass (``execute_model``) and
 then samples (``sample_tokens``), as two calls so that the step's grammar
-masks can be computed between them (design section 4).
+masks can be computed between them (docs/architecture.md, "The executor and the worker").
 
 Fault isolation: an exception raised by one request's own data fails that request alone. Its
 state and row are dropped and it is reported in ``ModelRunnerOutput.failed_req_ids``; the others

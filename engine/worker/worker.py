@@ -1,4 +1,6 @@
-"""The worker: one device, the model on it, and the KV cache it can hold (design section 4).
+"""The worker: one device, the model on it, and the KV cache it can hold.
+
+docs/architecture.md, "The executor and the worker", describes it.
 
 The executor drives it in this order: ``init_device`` -> ``load_model`` ->
 ``determine_available_memory`` / ``kv_cache_bytes_per_block`` (the engine core
