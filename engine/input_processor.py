@@ -42,6 +42,10 @@ CHARS_PER_DECODED_TOKEN = 4
 #: normalizers that merge characters (NFKC), so that the cheap length check never refuses a prompt that fits.
 _CHARS_PER_TOKEN_HEADROOM = 2
 
+#: Most completions one request may ask for (``n``), OpenAI's limit: each is a sequence in the batch, and
+#: the server and the offline ``LLM`` refuse more alike.
+MAX_N = 128
+
 _T = TypeVar("_T")
 # One thread: large inputs queue up behind each other instead of taking every core from the engine.
 _tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
@@ -198,26 +202,30 @@ class InputProcessor:
         num_chars = len(prompt) if isinstance(prompt, str) else 0
         if num_chars:
             self.check_length(num_chars, "prompt")
-        await self.check_grammar_async(params)
+        await self.check_params_async(params)
         return await _run_sized(num_chars, self.process, prompt, params, default_max_tokens)
 
-    def check_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's structured-output constraint (blocking), so that a bad one fails now.
+    def check_params(self, params: SamplingParams) -> None:
+        """The checks that need no prompt, cheapest first: ``n``, then the structured-output constraint,
+        compiled (blocking) so that a bad one fails now.
 
         Raises:
-            InvalidRequestError: (``structured_outputs``) llguidance's message for a schema, regex or grammar it
-                refuses, or JSON-schema features it cannot enforce; or no grammar compiler.
+            InvalidRequestError: ``n`` above ``MAX_N``; (``structured_outputs``) llguidance's message for a
+                schema, regex or grammar it refuses, or JSON-schema features it cannot enforce; or no
+                grammar compiler.
         """
+        _check_n(params)
         if params.structured_outputs is not None and self.grammars is None:
             raise InvalidRequestError("structured output is not available in this engine", "structured_outputs")
         if self.grammars is not None:
             self.grammars.check(params.structured_outputs)
 
-    async def check_grammar_async(self, params: SamplingParams) -> None:
-        """``check_grammar`` compiling on the grammar pool, not the event loop; ``process`` then finds it cached."""
+    async def check_params_async(self, params: SamplingParams) -> None:
+        """``check_params`` compiling on the grammar pool, not the event loop; ``process`` then finds it cached."""
         if self.grammars is None:
-            self.check_grammar(params)
+            self.check_params(params)
         else:
+            _check_n(params)
             await self.grammars.check_async(params.structured_outputs)
 
     def tokenize(self, prompt: PromptType) -> list[int]:
@@ -257,9 +265,9 @@ class InputProcessor:
                 vocabulary; more logprobs than ``max_logprobs``; ``min_tokens`` above the resolved
                 ``max_tokens``; a request that can outgrow the whole KV cache (``max_tokens``, or ``prompt``
                 when ``max_tokens`` was left open); a structured-output constraint that does not compile
-                (``structured_outputs``, see ``check_grammar``).
+                (``structured_outputs``), ``n`` above ``MAX_N`` (see ``check_params``).
         """
-        self.check_grammar(params)
+        self.check_params(params)
         token_ids = self.tokenize(prompt)
         requested_max_tokens = params.max_tokens
         # replace() runs SamplingParams' checks again, so min_tokens is checked against the resolved max_tokens.
@@ -307,6 +315,11 @@ class InputProcessor:
                                 ("logit_bias", list(params.logit_bias or ()))):
             if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
                 raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
+
+
+def _check_n(params: SamplingParams) -> None:
+    if params.n > MAX_N:
+        raise InvalidRequestError(f"n must be <= {MAX_N}, got {params.n}", "n")
 
 
 def _longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -131,7 +131,7 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
         # Checked by length, then rendered off the event loop when large: other clients never wait on it.
         messages, tools = render_inputs(request.messages, plan, tool_format, engine.tokenizer)
         token_ids = await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools)
-        await engine.processor.check_grammar_async(params)  # compiled off the loop; process() finds it cached
+        await engine.processor.check_params_async(params)  # compiled off the loop; process() finds it cached
         prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY

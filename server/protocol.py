@@ -51,10 +51,6 @@ logger = logging.getLogger(__name__)
 
 _Chunk = TypeVar("_Chunk")
 
-#: Most completions one request may ask for per prompt (``n``, ``best_of``): OpenAI's documented maximum.
-MAX_N = 128
-
-
 #: A float request field: finite, an int accepted, a bool or a string refused.
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 #: A string request field (lone surrogates are refused for the whole body by ``check_text``).
@@ -275,13 +271,11 @@ class SamplingRequest(RequestBody):
         """Refuse what neither endpoint serves, naming the field the client set.
 
         Raises:
-            OpenAIError: 400 for an unsupported field (``check_fields``), ``n`` above ``MAX_N``,
+            OpenAIError: 400 for an unsupported field (``check_fields``),
                 ``best_of`` other than ``n``, ``stream_options`` without ``stream``, or
                 ``prompt_logprobs`` with ``stream`` (as vLLM does: they arrive with the last token).
         """
         check_fields(self, self.unsupported_fields)
-        if self.n is not None and self.n > MAX_N:
-            raise bad_request(f"n must be <= {MAX_N}, got {self.n}", "n")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request(f"best_of other than n is not supported: got best_of {self.best_of}, "
                               f"n {self.n or 1}", "best_of")

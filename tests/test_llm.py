@@ -194,7 +194,9 @@ def test_invalid_requests_are_refused_naming_the_field_before_anything_is_queued
     for prompts, request_params, param in [([[5, 6, 7], list(range(3, 80))], params, "prompt"),
                                            (["Hi", ""], params, "prompt"),
                                            ([[5, 6, 7]], SamplingParams(max_tokens=62), "max_tokens"),
-                                           ([[5, 6, 7]], SamplingParams(logprobs=21), "logprobs")]:
+                                           ([[5, 6, 7]], SamplingParams(logprobs=21), "logprobs"),
+                                           # The server's limit, offline too: 10,000 sequences in one batch.
+                                           ([[5, 6, 7]], SamplingParams(n=10**4, max_tokens=4), "n")]:
         with pytest.raises(InvalidRequestError) as raised:
             llm.generate(prompts, request_params, use_tqdm=False)
         assert raised.value.param == param

@@ -23,14 +23,14 @@ from transformers import AutoTokenizer
 from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
 from pagedserve.engine.config import CacheConfig, EngineArgs, ModelConfig
 from pagedserve.engine.core.scheduler import SchedulerStats
-from pagedserve.engine.input_processor import InputProcessor
+from pagedserve.engine.input_processor import MAX_N, InputProcessor
 from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server import protocol
 from pagedserve.server.app import ServerArgs
 from pagedserve.server.cli import main as cli_main
-from pagedserve.server.protocol import MAX_N, UNSUPPORTED_FIELDS
+from pagedserve.server.protocol import UNSUPPORTED_FIELDS
 from tests.conftest import Served, sse_payloads
 
 LONG_PROMPT = [19556] * 2100  # token ids, more than max_model_len (2048)
