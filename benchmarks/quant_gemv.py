@@ -1,4 +1,4 @@
-"""The quantized linear kernel (engine.model.quant_kernels) against torch's CPU GEMMs, on SmolLM2-135M's shapes.
+"""The quantized linear kernel (engine/model/quant_kernels.py) against torch's CPU GEMMs, on SmolLM2-135M's shapes.
 
 Decode: every projection of a layer and the LM head at a few token rows, through
 our C kernel (q4 = GGUF Q4_1, q8 = Q8_0; bf16 activations), oneDNN with the

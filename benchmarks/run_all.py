@@ -213,12 +213,12 @@ def _server_specs(gguf: Path) -> dict[str, ServerSpec]:
     specs = [
         ServerSpec("pagedserve", pagedserve("float32"), missing=lambda: None, weight_dtype="float32"),
         ServerSpec("pagedserve-bf16", pagedserve("bfloat16"), missing=lambda: None, weight_dtype="bfloat16"),
-        # The GGUF's Q4_1/Q8_0 blocks multiplied as they are (engine.model.quant_kernels), as llama.cpp does.
+        # The GGUF's Q4_1/Q8_0 blocks multiplied as they are (pagedserve.engine.model.quant_kernels), as llama.cpp does.
         ServerSpec("pagedserve-gguf", pagedserve("float32", "--quantization", "gguf"), missing=lambda: None,
                    weight_dtype=None),
         ServerSpec("pagedserve-gguf-ngram", pagedserve("float32", "--quantization", "gguf", "--speculative-config",
                                                        NGRAM_CONFIG), missing=lambda: None, weight_dtype=None),
-        # The layer-by-layer decode: what the fused decode step (engine.model.fused_decode) buys, in one run.
+        # The layer-by-layer decode: what the fused decode step (pagedserve.engine.model.fused_decode) buys, in one run.
         ServerSpec("pagedserve-gguf-unfused", lambda port, s: [
             "env", "PAGEDSERVE_FUSED_DECODE=0", *pagedserve("float32", "--quantization", "gguf")(port, s)],
                    missing=lambda: None, weight_dtype=None),

@@ -252,7 +252,7 @@ def measure_compile(tokenizer: Any, vocab_size: int, schemas: dict[str, dict[str
         ``first_mask_p50_ms``/``first_mask_p99_ms``, and per schema its ``schema_bytes``,
         ``cold_ms`` (its first compile), ``p50_ms``, ``max_ms`` and ``first_mask_p50_ms``.
     Raises:
-        engine.errors.InvalidRequestError: a schema llguidance refuses.
+        pagedserve.engine.errors.InvalidRequestError: a schema llguidance refuses.
     """
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 

@@ -1,57 +1,58 @@
-"""``AsyncLLM``: the engine on a background thread, driven from an asyncio server.
+"""``AsyncLLM``: the engine driven from an asyncio server, through an ``EngineCoreClient``.
 
 ::
 
-    event loop                                   engine thread
+    event loop                                   engine core (a thread, or its own process)
     InputProcessor.process() (tokenize, check)
-    generate() -> input queue  ─────────────────►  drain inputs and aborts
-    per-request asyncio.Queue  ◄── call_soon_threadsafe ◄── EngineCore.step()
+    generate() -> client.send(AddRequest) ──────►  drain inputs and aborts
+    per-request asyncio.Queue  ◄── call_soon_threadsafe ◄── EngineCore.step() -> EngineCoreSink
 
 Requests are checked once, by the ``InputProcessor`` on the event loop; the
-engine thread applies them as they come. It blocks on its input queue when
+engine core applies them as they come. It blocks on its input queue when
 idle (no busy loop) and drains every pending add / abort before each
-``schedule()``. Detokenization and stop-string checks run on the event loop in
+``schedule()`` (``engine/core_client.py``). Detokenization and stop-string checks run on the event loop in
 the ``OutputProcessor``; a stop string found there aborts the request in the
 engine.
 
 Every step also ships the scheduler's stats to the event loop, with the
-number of requests the engine thread has applied so far: the frontend reads
+number of requests the engine has applied so far: the frontend reads
 nothing inside the engine, and counts waiting requests from them. There the
 ``RequestStatsTracker`` turns the stats and the outputs into ``IterationStats``
 for the registered stat loggers (metrics, the periodic log line): the engine
-thread does no metrics work beyond a counter and a timestamp in the scheduler.
+does no metrics work beyond a counter and a timestamp in the scheduler.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.core.scheduler import SchedulerStats
-from pagedserve.engine.engine_core import EngineCore
-from pagedserve.engine.errors import RequestFailedError
+from pagedserve.engine.core_client import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreClient,
+    InprocClient,
+    ProcClient,
+    SnapshotKVCache,
+    Stop,
+)
+from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
-from pagedserve.engine.loading import LoadedEngine, load_engine
+from pagedserve.engine.loading import load_engine, load_processor
 from pagedserve.engine.metrics.loggers import StatLogger
 from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedserve.engine.outputs import EngineCoreOutput, RequestOutput
-from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.step_records import StepRecordBuffer
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (crashed or shut down); no request can run."""
 
 
 class QueueFullError(RuntimeError):
@@ -109,55 +110,27 @@ def _num_tokens(output: RequestOutput) -> int:
     return sum(len(completion.token_ids) for completion in output.outputs)
 
 
-@dataclass
-class _AddRequest:
-    request: EngineCoreRequest
-    parent_request_id: str
+class LoadedClient(NamedTuple):
+    """An engine core behind its client, and the input processor for its configuration."""
 
-
-@dataclass
-class _AbortRequests:
-    request_ids: list[str]
-    reason: str = "abort"  # for the step records: "stop" when a stop string ended them
-
-
-class _Stop:
-    pass
-
-
-class _CheckHealth:
-    """Sent when a worker process died: the engine thread raises why (``EngineCore.check_health``) and stops."""
-
-
-@dataclass
-class _SnapshotKVCache:
-    """Asks the engine thread for ``EngineCore.kv_cache_snapshot()`` between two steps."""
-
-    future: asyncio.Future
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():  # its caller may have given up (a client gone)
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
-    if not future.done():
-        future.set_exception(exc)
+    client: EngineCoreClient
+    processor: InputProcessor
 
 
 class AsyncLLM:
-    """Asynchronous generation over one ``EngineCore`` running on its own thread.
+    """Asynchronous generation over one engine core, on a thread of this process or in its own process.
 
     Create it with ``await AsyncLLM.create(args)`` inside a running event loop, or
     with ``AsyncLLM(*AsyncLLM.load(args), loop)``.
 
     Args:
-        engine_core: the loaded core; its thread is started here and owns it from now on.
-        processor: the input processor for ``engine_core.config``.
+        client: the loaded core's client; it is started here.
+        processor: the input processor for ``client.config``.
         loop: the event loop that calls ``generate`` and receives the outputs.
 
     Attributes:
+        client: the engine core's client (``InprocClient.core`` is the core itself).
+        config: the engine's resolved configuration.
         processor: turns prompts into the ``ProcessedRequest`` s ``generate`` takes.
         tokenizer, model_name, max_model_len: the served model's.
         default_sampling_params: ``SamplingParams`` field -> the model's default (``generation_config``).
@@ -165,10 +138,10 @@ class AsyncLLM:
             ``step_record_buffer_size`` is 0.
     """
 
-    def __init__(self, engine_core: EngineCore, processor: InputProcessor, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine_core = engine_core
+    def __init__(self, client: EngineCoreClient, processor: InputProcessor, loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
         self.processor = processor
-        config = engine_core.config
+        self.config = config = client.config
         self.tokenizer = processor.tokenizer
         self.model_name = config.model_config.served_model_name
         self.max_model_len = config.model_config.max_model_len
@@ -177,39 +150,42 @@ class AsyncLLM:
         self._max_stream_backlog_tokens = config.args.max_stream_backlog_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
         self._loop = loop
-        self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _OutputStream] = {}
-        # Engine-core requests put on the input queue (event loop), and applied by the engine thread (its own
-        # count, and the count it shipped with the latest stats): their difference is still queued.
+        # Engine-core requests sent (event loop), and applied by the engine (the count it shipped with the
+        # latest stats): their difference is still queued.
         self._num_submitted = 0
-        self._num_applied = 0
         self._num_applied_at_stats = 0
-        self._stats = engine_core.make_stats()
+        self._stats = client.stats
         self._request_stats = RequestStatsTracker(self._stats)
         self._stat_loggers: list[StatLogger] = []
         buffer_size = config.args.step_record_buffer_size
         # The dashboard's step records (engine/step_records.py); None when they are off.
         self.step_records = StepRecordBuffer(buffer_size) if buffer_size > 0 else None
-        engine_core.record_steps = self.step_records is not None
         self._kv_snapshot: asyncio.Future | None = None  # the one in flight, shared by its callers
+        self._snapshot_tickets = itertools.count()
+        self._snapshot_ticket = -1
         self._error: BaseException | None = None
         self._dead = asyncio.Event()  # set on the event loop once the engine has failed
         self._accepting = True
-        # A tensor-parallel rank that dies while the engine is idle wakes it, so that /health turns 503 (and the
-        # CLI exits) without waiting for a request.
-        engine_core.register_failure_callback(lambda: self._inputs.put(_CheckHealth()))
-        self._thread = threading.Thread(target=self._run_engine_loop, name="engine", daemon=True)
-        self._thread.start()
+        client.start(self, record_steps=self.step_records is not None)
 
     @classmethod
-    async def create(cls, args: EngineArgs) -> AsyncLLM:
-        """Load the model (in a worker thread, so the loop stays responsive) and start the engine thread."""
-        loaded = await asyncio.to_thread(cls.load, args)
+    async def create(cls, args: EngineArgs, engine_process: bool = False) -> AsyncLLM:
+        """Load the model (in a worker thread, so the loop stays responsive) and start the engine core
+        (``load``)."""
+        loaded = await asyncio.to_thread(cls.load, args, engine_process)
         return cls(*loaded, asyncio.get_running_loop())
 
     @staticmethod
-    def load(args: EngineArgs) -> LoadedEngine:
+    def load(args: EngineArgs, engine_process: bool = False,
+             log_config: dict[str, Any] | None = None) -> LoadedClient:
         """Load the model, allocate the KV cache and load the tokenizer (blocking, seconds).
+
+        Args:
+            args: the engine's settings.
+            engine_process: run the engine core in a child process (``ProcClient``) rather than on a thread
+                of this one (``InprocClient``).
+            log_config: with ``engine_process``, the child's ``logging.config.dictConfig``.
 
         Raises:
             ValueError: a setting the model or the machine cannot honour (model not found, no CUDA,
@@ -218,62 +194,36 @@ class AsyncLLM:
         """
         if args.cpu_reserved_cores is None:  # the frontend shares the machine: small steps leave it a core
             args = replace(args, cpu_reserved_cores=1)
-        return load_engine(args)
+        if engine_process:
+            client = ProcClient(args, log_config)
+            return LoadedClient(client, load_processor(client.config))
+        engine_core, processor = load_engine(args)
+        return LoadedClient(InprocClient(engine_core), processor)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ the core's results (EngineCoreSink)
+    # Called from the engine's thread, or the thread reading the engine process's results: each hands its
+    # work to the event loop.
 
-    def _run_engine_loop(self) -> None:
-        core = self.engine_core
+    def on_step(self, outputs: list[EngineCoreOutput], stats: SchedulerStats, num_applied: int,
+                step_record: dict[str, Any] | None) -> None:
+        self._call_soon(self._on_step, outputs, stats, num_applied, step_record)
+
+    def on_request_failed(self, parent_request_id: str, error: BaseException) -> None:
+        self._call_soon(self._fail_request, parent_request_id, error)
+
+    def on_kv_cache_snapshot(self, ticket: int, snapshot: dict[str, Any] | None,
+                             error: BaseException | None) -> None:
+        self._call_soon(self._on_snapshot, ticket, snapshot, error)
+
+    def on_engine_dead(self, error: BaseException) -> None:
+        self._error = error
+        self._call_soon(self._fail_all, error)
+
+    def _call_soon(self, callback: Any, *args: Any) -> None:
         try:
-            while True:
-                if not core.has_unfinished_requests():
-                    if self._apply(self._inputs.get()):  # idle: block until work arrives
-                        return
-                while True:
-                    try:
-                        item = self._inputs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if self._apply(item):
-                        return
-                outputs = core.step()
-                record = core.take_step_record() if self.step_records is not None else None
-                self._loop.call_soon_threadsafe(self._on_step, outputs, core.make_stats(), self._num_applied, record)
-        except BaseException as exc:  # noqa: BLE001 - whatever kills the engine must reach every client
-            logger.exception("engine thread died")
-            self._error = exc
-            with contextlib.suppress(RuntimeError):  # the event loop may already be closed
-                self._loop.call_soon_threadsafe(self._fail_all, exc)
-
-    def _apply(self, item: _AddRequest | _AbortRequests | _SnapshotKVCache | _CheckHealth | _Stop) -> bool:
-        """Apply one input on the engine thread; True means stop the loop."""
-        if isinstance(item, _Stop):
-            return True
-        if isinstance(item, _CheckHealth):
-            self.engine_core.check_health()  # raises why the worker died, which stops the engine
-            return False
-        if isinstance(item, _SnapshotKVCache):
-            try:
-                snapshot = self.engine_core.kv_cache_snapshot()
-            except Exception as exc:  # noqa: BLE001 - a view's fault must not stop the engine
-                logger.exception("the KV cache snapshot failed")
-                self._loop.call_soon_threadsafe(_set_exception, item.future, exc)
-            else:
-                self._loop.call_soon_threadsafe(_set_result, item.future, snapshot)
-            return False
-        if isinstance(item, _AbortRequests):
-            self.engine_core.abort_requests(item.request_ids, item.reason)
-            return False
-        self._num_applied += 1
-        try:
-            self.engine_core.add_request(item.request)
-        except Exception as exc:  # noqa: BLE001
-            # The processor checked the request and the output processor its id, so this is a bug or a
-            # race; it must fail that request only, not the engine every client shares.
-            logger.exception("rejected request %s on the engine thread", item.request.request_id)
-            error = exc if isinstance(exc, ValueError) else RequestFailedError(item.parent_request_id, repr(exc))
-            self._loop.call_soon_threadsafe(self._fail_request, item.parent_request_id, error)
-        return False
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
 
     # ------------------------------------------------------------------ event loop
 
@@ -289,7 +239,7 @@ class AsyncLLM:
             # An exception here would only be logged by asyncio and leave every stream waiting forever.
             logger.exception("processing engine outputs failed")
             self._error = exc
-            self._inputs.put(_Stop())
+            self.client.send(Stop())
             self._fail_all(exc)
 
     def _process_step(self, outputs: list[EngineCoreOutput], scheduler_stats: SchedulerStats) -> None:
@@ -299,7 +249,7 @@ class AsyncLLM:
             failed_siblings = [r for r in processed.reqs_to_abort if r not in stopped]
             for request_ids, reason in ((processed.stopped, "stop"), (failed_siblings, "abort")):
                 if request_ids:
-                    self._inputs.put(_AbortRequests(request_ids, reason))
+                    self.client.send(AbortRequests(request_ids, reason))
         for request_output in processed.request_outputs:
             stream = self._streams.get(request_output.request_id)
             if stream is not None and not stream.put(request_output):
@@ -322,6 +272,15 @@ class AsyncLLM:
         stream.fail_now(StreamBacklogError(
             f"request {request_id} was aborted: its client fell more than {self._max_stream_backlog_tokens} "
             "output tokens behind (max_stream_backlog_tokens)"))
+
+    def _on_snapshot(self, ticket: int, snapshot: dict[str, Any] | None, error: BaseException | None) -> None:
+        future = self._kv_snapshot
+        if future is None or future.done() or ticket != self._snapshot_ticket:
+            return  # its callers gave up (clients gone)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(snapshot)
 
     def _fail_request(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -374,7 +333,7 @@ class AsyncLLM:
         self._request_stats.add_request([child_id for child_id, _ in children], len(request.prompt_token_ids),
                                         time.monotonic())
         for core_request in request.engine_core_requests(children, time.time()):
-            self._inputs.put(_AddRequest(core_request, request_id))
+            self.client.send(AddRequest(core_request, request_id))
         self._num_submitted += len(children)
         finished = False
         try:
@@ -396,7 +355,7 @@ class AsyncLLM:
     def _abort(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_requests([request_id])
         if child_ids:
-            self._inputs.put(_AbortRequests(child_ids))
+            self.client.send(AbortRequests(child_ids))
             self._record(self._stats, self._request_stats.abort_requests(child_ids, time.monotonic()))
 
     def _raise_if_unavailable(self) -> None:
@@ -428,7 +387,8 @@ class AsyncLLM:
         if self._kv_snapshot is None or self._kv_snapshot.done():
             # One snapshot in flight at a time, whatever the number of viewers: each scans every block.
             self._kv_snapshot = self._loop.create_future()
-            self._inputs.put(_SnapshotKVCache(self._kv_snapshot))
+            self._snapshot_ticket = next(self._snapshot_tickets)
+            self.client.send(SnapshotKVCache(self._snapshot_ticket))
         future = self._kv_snapshot
         dead = asyncio.ensure_future(self._dead.wait())
         try:
@@ -439,8 +399,8 @@ class AsyncLLM:
         return future.result()
 
     def check_health(self) -> bool:
-        """True while the engine thread is alive and accepting requests."""
-        return self._error is None and self._accepting and self._thread.is_alive()
+        """True while the engine core (its thread or process) is alive and accepting requests."""
+        return self._error is None and self._accepting and self.client.is_alive()
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's state after the latest engine step."""
@@ -459,7 +419,7 @@ class AsyncLLM:
         self._stat_loggers.remove(stat_logger)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting, let in-flight requests finish within ``timeout_s``, abort the rest, join the thread."""
+        """Stop accepting, let in-flight requests finish within ``timeout_s``, abort the rest, stop the core."""
         self._accepting = False
         deadline = time.monotonic() + timeout_s
         while self._streams and time.monotonic() < deadline and not self.errored:
@@ -467,9 +427,6 @@ class AsyncLLM:
         for request_id in list(self._streams):
             self._abort(request_id)
             self._streams[request_id].put_nowait(EngineDeadError("the server shut down"))
-        self._inputs.put(_Stop())
-        await asyncio.to_thread(self._thread.join, timeout_s)
-        if not self._thread.is_alive():  # a thread still stepping must keep its workers
-            self.engine_core.shutdown()
+        await asyncio.to_thread(self.client.shutdown, timeout_s)
         if self.processor.grammars is not None:
             self.processor.grammars.shutdown()

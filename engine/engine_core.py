@@ -6,7 +6,7 @@ docs/architecture.md, "One engine step", walks through it.
 logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
 ``update_from_output()``. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
 applies new requests and aborts between steps. The core touches no device: the executor does. Its only
-torch import is ``engine.profiling``'s regions, which time the step's phases.
+torch import is ``pagedserve.engine.profiling``'s regions, which time the step's phases.
 
 A fault in one request's own data (its worker state, its row's inputs, its sampling, the
 scheduler's accounting of its tokens) fails that request alone: it ends with ``FinishReason.ERROR``

@@ -19,6 +19,9 @@ class InvalidRequestError(ValueError):
         self.message = message
         self.param = param
 
+    def __reduce__(self) -> tuple:  # pickled whole, as it crosses from the engine process
+        return type(self), (self.message, self.param)
+
     def message_naming(self, name: str) -> str:
         """The message with its leading ``param`` (``"top_k must be >= 0"``) spelled ``name`` instead,
         for a client that set the field under another name; other messages are returned as they are."""
@@ -38,3 +41,12 @@ class RequestFailedError(RuntimeError):
 
     def __init__(self, request_id: str, reason: str) -> None:
         super().__init__(f"request {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # pickled whole, as it crosses from the engine process
+        return type(self), (self.request_id, self.reason)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped (crashed, its process died, or shut down); no request can run."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from transformers import PreTrainedTokenizerBase
+
 from pagedserve.engine.config import EngineArgs, EngineConfig
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.input_processor import InputProcessor
@@ -28,10 +30,31 @@ def load_engine(args: EngineArgs) -> LoadedEngine:
         OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
     """
     config = EngineConfig.from_args(args)
-    model_config = config.model_config
-    tokenizer = load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
-    grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
+    tokenizer = _tokenizer(config)
+    grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
     engine_core = EngineCore(config, structured_output_manager=GuidanceManager(grammars))
-    processor = InputProcessor(engine_core.config.model_config, tokenizer, engine_core.config.cache_config,
-                               engine_core.config.args.max_logprobs, grammars)
-    return LoadedEngine(engine_core, processor)
+    return LoadedEngine(engine_core, _processor(engine_core.config, tokenizer, grammars))
+
+
+def load_engine_core(args: EngineArgs) -> EngineCore:
+    """The engine core alone, with a grammar compiler of its own (the engine process's: its frontend has
+    another), as ``load_engine`` raises."""
+    config = EngineConfig.from_args(args)
+    grammars = GrammarCompiler(_tokenizer(config), config.model_config.vocab_size)
+    return EngineCore(config, structured_output_manager=GuidanceManager(grammars))
+
+
+def load_processor(config: EngineConfig) -> InputProcessor:
+    """The input processor, with a grammar compiler of its own, for an engine core's resolved ``config``
+    (``cache_config.num_blocks`` measured)."""
+    tokenizer = _tokenizer(config)
+    return _processor(config, tokenizer, GrammarCompiler(tokenizer, config.model_config.vocab_size))
+
+
+def _tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
+    model_config = config.model_config
+    return load_tokenizer(ModelSource(model_config.path, None, model_config.served_model_name))
+
+
+def _processor(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, grammars: GrammarCompiler) -> InputProcessor:
+    return InputProcessor(config.model_config, tokenizer, config.cache_config, config.args.max_logprobs, grammars)

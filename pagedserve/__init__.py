@@ -3,7 +3,7 @@
 Offline, in this process::
 
     from pagedserve import LLM, SamplingParams
-    outputs = LLM().generate(["Hello"], SamplingParams(max_tokens=16))
+    outputs = LLM().generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
 As a server: ``pagedserve serve`` or ``python -m pagedserve serve``. The engine is ``pagedserve.engine``,
 the HTTP server ``pagedserve.server``.

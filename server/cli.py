@@ -32,6 +32,7 @@ from sse_starlette.sse import AppStatus
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.errors import EngineDeadError
 from pagedserve.server.app import ServerArgs, build_app
 from pagedserve.server.config_table import SETTINGS_CLASSES, shown_default
 from pagedserve.server.connections import GuardedH11Protocol
@@ -224,8 +225,10 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """
     sock = _bind(server_args.host, server_args.port)
     try:
-        loaded = AsyncLLM.load(engine_args)
-    except (ValueError, OSError) as err:
+        # The engine core in a process of its own: it shares no interpreter with the HTTP server, and a fault
+        # that kills it (a segfault, the OOM killer) fails the requests in flight instead of the server.
+        loaded = AsyncLLM.load(engine_args, engine_process=True, log_config=log_config(server_args.log_format))
+    except (ValueError, OSError, EngineDeadError) as err:
         sock.close()
         raise StartupError(str(err)) from err
     died: list[BaseException] = []

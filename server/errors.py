@@ -21,8 +21,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.engine.async_llm import EngineDeadError, QueueFullError, StreamBacklogError
-from pagedserve.engine.errors import InvalidRequestError, RequestFailedError
+from pagedserve.engine.async_llm import QueueFullError, StreamBacklogError
+from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def log_config(log_format: str, level: str = "INFO") -> dict[str, Any]:
     uvicorn_logger = {"handlers": [], "level": level, "propagate": True}
     return {
         "version": 1,
-        "disable_existing_loggers": False,  # engine.* and server.* loggers exist before this runs
+        "disable_existing_loggers": False,  # pagedserve.* loggers exist before this runs
         "formatters": {"default": formatter},
         "filters": {"uvicorn_names": {"()": UvicornNames}},
         "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "default", "filters": ["uvicorn_names"],

@@ -38,7 +38,7 @@ async def _log_periodically(stat_logger: LoggingStatLogger, interval_s: float) -
 async def engine_stats(app: FastAPI, engine: AsyncLLM, log_stats_interval_s: float) -> AsyncIterator[None]:
     """While inside: ``engine``'s stats feed ``app``'s /metrics and, when ``log_stats_interval_s`` > 0
     (seconds), a stats log line every that many seconds while the engine is busy."""
-    cache_config = engine.engine_core.config.cache_config  # num_blocks is measured by now
+    cache_config = engine.config.cache_config  # num_blocks is measured by now
     app.state.metrics = PrometheusStatLogger(engine.model_name, engine.max_model_len, cache_config.block_size,
                                              cache_config.num_blocks)
     stat_loggers: list[StatLogger] = [app.state.metrics]

@@ -195,11 +195,33 @@ def healthy(url: str) -> bool:
         return False
 
 
+def engine_step_fault(tmp_path: Path, first_faulty_step: int, fault: str) -> dict[str, str]:
+    """The environment for a ``cli_server`` whose ``EngineCore.step`` runs the statement ``fault`` (``ctypes``
+    imported) from its ``first_faulty_step``-th call on. The engine process is spawned, so a patch made in the
+    server's own process would not reach it: the patch goes in a ``sitecustomize`` module on ``PYTHONPATH``,
+    which every Python process of the server runs at start."""
+    folder = tmp_path / "hook"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(f"""
+import ctypes
+from pagedserve.engine.engine_core import EngineCore
+step = EngineCore.step
+calls = []
+def faulty_step(self):
+    calls.append(1)
+    if len(calls) >= {first_faulty_step}:
+        {fault}
+    return step(self)
+EngineCore.step = faulty_step
+""")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
 @contextlib.contextmanager
-def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequence[str] = (sys.executable,),
+def cli_server(tmp_path: Path, *args: str, python: Sequence[str] = (sys.executable,),
                cwd: Path | None = None, env: Mapping[str, str] | None = None
                ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Run ``python -m pagedserve serve --port P ARGS`` (or ``python -c CODE serve ...``) as its own process,
+    """Run ``python -m pagedserve serve --port P ARGS`` as its own process,
     logging to ``tmp_path/server.log``; yields ``(url, process)`` once healthy and kills it at exit.
 
     Args:
@@ -208,8 +230,7 @@ def cli_server(tmp_path: Path, *args: str, code: str | None = None, python: Sequ
     """
     port = free_port()
     log = (tmp_path / "server.log").open("w")
-    program = ["-c", code] if code else ["-m", "pagedserve"]
-    process = subprocess.Popen([*python, *program, "serve", "--port", str(port), *args], stdout=log,
+    process = subprocess.Popen([*python, "-m", "pagedserve", "serve", "--port", str(port), *args], stdout=log,
                                stderr=subprocess.STDOUT, cwd=cwd,
                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"

@@ -111,7 +111,7 @@ def test_small_step_threads_leave_the_reserved_cores_of_the_machine(threads, cor
 
 
 def test_the_server_reserves_a_core_for_its_frontend_and_offline_reserves_none(served: Served) -> None:
-    assert served.engine.engine_core.executor.worker.model_runner.reserved_cores == 1
+    assert served.engine.client.core.executor.worker.model_runner.reserved_cores == 1
     assert EngineArgs().cpu_reserved_cores is None  # resolved by who runs the engine: AsyncLLM 1, LLM 0
     with pytest.raises(ValueError, match="cpu_reserved_cores must be >= 0"):
         EngineArgs(cpu_reserved_cores=-1)

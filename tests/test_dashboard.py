@@ -82,7 +82,7 @@ def test_the_stream_sends_the_backlog_then_new_steps(client: httpx.Client, serve
     # completion's response, so a loaded machine sees it after reading ``last`` (seen once: 10 == 9).
     assert seen[0]["step"] >= last
     steps = [record["step"] for record in seen]
-    assert steps == list(range(last, last + len(steps)))  # every step, in order, with every_step
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # every step, in order, with every_step
 
 
 def test_a_rate_limited_stream_loses_no_finish(client: httpx.Client, served: Served) -> None:

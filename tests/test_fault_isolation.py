@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineArgs, EngineConfig
 from pagedserve.engine.core.scheduler import Scheduler
+from pagedserve.engine.core_client import InprocClient
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.input_processor import InputProcessor
@@ -216,7 +217,7 @@ def test_async_llm_fails_one_stream_and_completes_the_other(tiny_llama_folder, r
     async def main() -> None:
         core = make_core(tiny_llama_folder)
         processor = InputProcessor(core.config.model_config, tokenizer, core.config.cache_config, max_logprobs=20)
-        engine = AsyncLLM(core, processor, asyncio.get_running_loop())
+        engine = AsyncLLM(InprocClient(core), processor, asyncio.get_running_loop())
         good = asyncio.ensure_future(collect(engine, processor, "a", PROMPTS["a"], PARAMS["a"]))
         await asyncio.sleep(0)
         with pytest.raises(RequestFailedError, match="insert injected"):

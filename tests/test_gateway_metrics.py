@@ -91,7 +91,7 @@ def test_served_metrics_carry_the_gateway_names_with_our_values(served: Served) 
     after = gauges(httpx.get(f"{served.url}/metrics", timeout=30).text)
     assert_aliases_equal_their_gauges(after)
     assert after["vllm:num_requests_running"][0][1] == after["vllm:num_requests_waiting"][0][1] == 0
-    cache = served.engine.engine_core.config.cache_config
+    cache = served.engine.client.core.config.cache_config
     assert after["vllm:cache_config_info"] == [({"model_name": served.engine.model_name,
                                                  "block_size": str(cache.block_size),
                                                  "num_gpu_blocks": str(cache.num_blocks)}, 1.0)]

@@ -89,7 +89,7 @@ def test_backend_decodes_through_torch_without_the_kernel(monkeypatch: pytest.Mo
 def test_loading_the_kernel_keeps_subnormal_floats(tmp_path: Path) -> None:
     """Regression: linked with -ffast-math, the library pulled in crtfastmath.o, which set flush-to-zero
     for the whole process as it loaded: every torch op and Python float after it lost subnormals."""
-    code = ("from engine.model.cpu_attention import load_kernel\n"
+    code = ("from pagedserve.engine.model.cpu_attention import load_kernel\n"
             "assert load_kernel() is not None\n"
             "print(float.fromhex('0x1p-1070') * 1.0 != 0.0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,4 +1,4 @@
-"""Quantized-weight linear layers (engine.model.quant_kernels): packing round trips, the C kernel against
+"""Quantized-weight linear layers (pagedserve.engine.model.quant_kernels): packing round trips, the C kernel against
 float64 within the error its int8 activations allow, each instruction-set path, the torch fallback."""
 
 from __future__ import annotations

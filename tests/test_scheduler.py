@@ -1,4 +1,4 @@
-"""Scheduler and KV cache bookkeeping against a fake model runner (design sections 2, 3, 5)."""
+"""Scheduler and KV cache bookkeeping against a fake model runner (docs/architecture.md, "The scheduler side")."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def test_max_model_len_caps_output():
 
 
 def test_scheduler_side_imports_no_torch():
-    # Every module of engine.core, in a fresh interpreter.
+    # Every module of pagedserve.engine.core, in a fresh interpreter.
     code = ("import importlib, pkgutil, sys, pagedserve.engine.core as core\n"
             "for m in pkgutil.iter_modules(core.__path__): importlib.import_module(core.__name__ + '.' + m.name)\n"
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")

@@ -23,7 +23,7 @@ from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.app import ServerArgs
 from pagedserve.server.cli import build_parser, main, resolve_settings
-from tests.conftest import Served, cli_server, free_port, sse_payloads
+from tests.conftest import Served, cli_server, engine_step_fault, free_port, sse_payloads
 
 GREEDY = {"temperature": 0.0}
 
@@ -376,23 +376,6 @@ def test_help_documents_every_setting_with_unit_and_default(capsys: pytest.Captu
     assert "[requests] (default: 64)" in text and "(default: 16MiB)" in text
 
 
-#: Runs ``python -m pagedserve`` with EngineCore.step raising from the second step: a fault inside the engine.
-_FAULTY_ENGINE = """
-import sys
-from pagedserve.engine.engine_core import EngineCore
-from pagedserve.server.cli import main
-step = EngineCore.step
-calls = []
-def faulty_step(self):
-    calls.append(1)
-    if len(calls) > 1:
-        raise RuntimeError("injected engine fault")
-    return step(self)
-EngineCore.step = faulty_step
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Any) -> None:
     """``python -m pagedserve serve`` end to end: YAML config, a stream, SIGTERM, a clean exit."""
     config = tmp_path / "serve.yaml"
@@ -413,8 +396,9 @@ def test_sigterm_lets_the_in_flight_stream_finish(tmp_path: Any) -> None:
 def test_a_dead_engine_fails_the_stream_and_ends_the_process_non_zero(tmp_path: Any) -> None:
     """As vLLM does: the in-flight request gets an error, then the process exits 1 (Docker's restart
     policy and Kubernetes restart it) instead of answering 503 forever."""
-    with cli_server(tmp_path, "--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB",
-                    code=_FAULTY_ENGINE) as (url, process):
+    fault = engine_step_fault(tmp_path, 2, 'raise RuntimeError("injected engine fault")')
+    args = ("--max-model-len", "256", "--kv-cache-memory-bytes", "32MiB")
+    with cli_server(tmp_path, *args, env=fault) as (url, process):
         body = {"prompt": "Once upon a time", "max_tokens": 40, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
             events = sse_payloads(response.iter_lines())
@@ -539,7 +523,7 @@ def test_unset_sampling_fields_take_the_models_generation_config(
     expected = {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1, "max_tokens": 5}
     assert f"overridden by the model's generation config: {expected}" in caplog.text
     seen: list[SamplingParams] = []  # what the engine was asked to run, latest last
-    core = tiny.engine.engine_core
+    core = tiny.engine.client.core
     add_request = core.add_request
 
     def recording_add_request(request: EngineCoreRequest) -> None:

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from pagedserve.engine.async_llm import AsyncLLM, QueueFullError
 from pagedserve.engine.config import CacheConfig, EngineArgs, ModelConfig
 from pagedserve.engine.core.scheduler import SchedulerStats
+from pagedserve.engine.core_client import InprocClient
 from pagedserve.engine.input_processor import MAX_N, InputProcessor
 from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 from pagedserve.engine.request import EngineCoreRequest
@@ -390,7 +391,7 @@ def test_queued_requests_count_as_waiting_before_the_engine_applies_them() -> No
     async def run() -> None:
         core = _GatedCore(max_waiting_requests=3)
         processor = InputProcessor(core.config.model_config, tokenizer, CacheConfig(64, 16), max_logprobs=20)
-        engine = AsyncLLM(core, processor, asyncio.get_running_loop())
+        engine = AsyncLLM(InprocClient(core), processor, asyncio.get_running_loop())
 
         async def until(condition: Callable[[], bool], what: str) -> None:
             deadline = time.monotonic() + 60
@@ -432,7 +433,7 @@ def test_engine_failure_ends_in_flight_requests_with_errors(fragile: Served) -> 
             first = next(line for line in lines if line.startswith("data: "))
             waiting = post_in_background(pool, fragile.url, {"prompt": "Hi", "max_tokens": 2})
             wait_for_waiting_requests(fragile, 1)
-            fragile.engine.engine_core.executor.execute_model = broken_execute_model
+            fragile.engine.client.core.executor.execute_model = broken_execute_model
             events = sse_payloads([first, *lines])
         assert crashed.is_set()
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_dead"

@@ -352,7 +352,7 @@ def test_compiler_caches_by_grammar_text_and_compiles_off_the_calling_thread(
 
 def test_compiler_cache_is_bounded(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiler_module, "MAX_CACHED_GRAMMARS", 3)
-    compiler = GrammarCompiler(served.engine.tokenizer, served.engine.engine_core.config.model_config.vocab_size)
+    compiler = GrammarCompiler(served.engine.tokenizer, served.engine.client.core.config.model_config.vocab_size)
     futures: list[Future] = [compiler.compile(StructuredOutputsParams(choice=[str(i)])) for i in range(5)]
     assert len(compiler._cache) == 3
     for future in futures:

@@ -160,7 +160,7 @@ def test_smollm2_on_three_ranks_completes_as_on_one(served: Served, served_tp3: 
 
 def test_a_killed_rank_fails_the_request_in_flight_and_the_server_reports_it(served_tp3: Served) -> None:
     """Runs last in this module: it ends the size-3 engine."""
-    pids = served_tp3.engine.engine_core.executor.worker_pids
+    pids = served_tp3.engine.client.core.executor.worker_pids
     body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True, "stream": True,
             "temperature": 0.0}
     # The engine waits on the ranks' process sentinels, so the stream ends as the rank dies: the client's

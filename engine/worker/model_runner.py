@@ -472,7 +472,7 @@ class ModelRunner:
                                                                 common)) is not None):
             return hidden_states
         metadata = self.model.attn_backend.build_metadata(common)
-        # See engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
+        # See pagedserve.engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
         serial = self.device.type == "cpu" and len(inputs.input_ids) <= SERIAL_ELEMENTWISE_MAX_TOKENS
         with serial_elementwise(serial):
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, metadata)

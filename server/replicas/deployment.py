@@ -2,8 +2,8 @@
 
 ::
 
-    HTTP -> Ray Serve proxy -> Ingress (reads the body, server.replicas.ingress)
-                                  -> handle + request router (server.replicas.router)
+    HTTP -> Ray Serve proxy -> Ingress (reads the body, pagedserve.server.replicas.ingress)
+                                  -> handle + request router (pagedserve.server.replicas.router)
                                       -> EngineReplica: build_app()'s FastAPI app and its AsyncLLM
 
 Each replica runs the app ``pagedserve serve`` runs (``pagedserve.server.app.build_app``), so the routes, their
