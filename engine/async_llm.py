@@ -4,7 +4,7 @@
 
     event loop                                   engine core (a thread, or its own process)
     InputProcessor.process() (tokenize, check)
-    generate() -> client.send(AddRequest) ──────►  drain inputs and aborts
+    generate() -> client.send(AddRequests) ─────►  drain inputs and aborts
     per-request asyncio.Queue  ◄── call_soon_threadsafe ◄── EngineCore.step() -> EngineCoreSink
 
 Requests are checked once, by the ``InputProcessor`` on the event loop; the
@@ -36,7 +36,7 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.core.scheduler import SchedulerStats
 from pagedserve.engine.core_client import (
     AbortRequests,
-    AddRequest,
+    AddRequests,
     EngineCoreClient,
     InprocClient,
     ProcClient,
@@ -196,7 +196,11 @@ class AsyncLLM:
             args = replace(args, cpu_reserved_cores=1)
         if engine_process:
             client = ProcClient(args, log_config)
-            return LoadedClient(client, load_processor(client.config))
+            try:
+                return LoadedClient(client, load_processor(client.config))
+            except BaseException:
+                client.shutdown()
+                raise
         engine_core, processor = load_engine(args)
         return LoadedClient(InprocClient(engine_core), processor)
 
@@ -332,8 +336,7 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self._request_stats.add_request([child_id for child_id, _ in children], len(request.prompt_token_ids),
                                         time.monotonic())
-        for core_request in request.engine_core_requests(children, time.time()):
-            self.client.send(AddRequest(core_request, request_id))
+        self.client.send(AddRequests(request.engine_core_requests(children, time.time()), request_id))
         self._num_submitted += len(children)
         finished = False
         try:

@@ -1,6 +1,6 @@
 """The engine core behind one seam, on a thread of this process or in a process of its own.
 
-``AsyncLLM`` talks to the core through an ``EngineCoreClient``: it sends messages (``AddRequest``,
+``AsyncLLM`` talks to the core through an ``EngineCoreClient``: it sends messages (``AddRequests``,
 ``AbortRequests``, ``SnapshotKVCache``, ``Stop``) and receives the core's results on an
 ``EngineCoreSink`` (each step's outputs, scheduler stats and step record; a request failed on arrival; a
 KV cache snapshot; the engine's death). Every message is a picklable dataclass, so the same loop,
@@ -28,8 +28,10 @@ import contextlib
 import logging
 import logging.config
 import multiprocessing
+import os
 import pickle
 import queue
+import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -51,8 +53,11 @@ STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
-class AddRequest:
-    request: EngineCoreRequest
+class AddRequests:
+    """The engine-core requests of one caller's request (its ``n`` children), in one message: they share one
+    prompt list, which pickles once."""
+
+    requests: list[EngineCoreRequest]
     parent_request_id: str  # the caller's request, which a failure on arrival is reported for
 
 
@@ -77,7 +82,7 @@ class Stop:
     pass
 
 
-Message = AddRequest | AbortRequests | SnapshotKVCache | CheckHealth | Stop
+Message = AddRequests | AbortRequests | SnapshotKVCache | CheckHealth | Stop
 
 
 class EngineCoreSink(Protocol):
@@ -85,7 +90,7 @@ class EngineCoreSink(Protocol):
 
     def on_step(self, outputs: list[EngineCoreOutput], stats: SchedulerStats, num_applied: int,
                 step_record: dict[str, Any] | None) -> None:
-        """One step's outputs, the scheduler's stats after it, the number of ``AddRequest`` s applied so
+        """One step's outputs, the scheduler's stats after it, the number of engine-core requests applied so
         far, and the step's record (None when records are off)."""
 
     def on_request_failed(self, parent_request_id: str, error: BaseException) -> None:
@@ -131,7 +136,7 @@ def run_engine_loop(core: Any, inputs: queue.SimpleQueue, sink: EngineCoreSink) 
 
 
 def _apply(core: Any, message: Message, sink: EngineCoreSink) -> int:
-    """Apply one message between steps; returns 1 for an applied ``AddRequest``, else 0."""
+    """Apply one message between steps; returns the number of engine-core requests it added."""
     if isinstance(message, CheckHealth):
         core.check_health()  # raises why the worker died, which ends the loop
     elif isinstance(message, SnapshotKVCache):
@@ -145,15 +150,17 @@ def _apply(core: Any, message: Message, sink: EngineCoreSink) -> int:
     elif isinstance(message, AbortRequests):
         core.abort_requests(message.request_ids, message.reason)
     else:
-        try:
-            core.add_request(message.request)
-        except Exception as exc:  # noqa: BLE001
-            # The processor checked the request and the output processor its id, so this is a bug or a race;
-            # it must fail that request only, not the engine every client shares.
-            logger.exception("rejected request %s in the engine", message.request.request_id)
-            error = exc if isinstance(exc, ValueError) else RequestFailedError(message.parent_request_id, repr(exc))
-            sink.on_request_failed(message.parent_request_id, error)
-        return 1
+        for request in message.requests:
+            try:
+                core.add_request(request)
+            except Exception as exc:  # noqa: BLE001
+                # The processor checked the request and the output processor its id, so this is a bug or a race;
+                # it must fail that request only, not the engine every client shares.
+                logger.exception("rejected request %s in the engine", request.request_id)
+                parent = message.parent_request_id
+                error = exc if isinstance(exc, ValueError) else RequestFailedError(parent, repr(exc))
+                sink.on_request_failed(parent, error)
+        return len(message.requests)
     return 0
 
 
@@ -249,44 +256,54 @@ class ProcClient(EngineCoreClient):
         child_conn.close()  # the child's end lives in the child only: its death closes the pipe here
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        self._stopping = False  # set once Stop is sent: the pipe closing after it is no death
         try:
             reply = self._conn.recv()
+            if reply[0] == "failed":
+                raise reply[1]
         except EOFError:
-            self.process.join(STOP_TIMEOUT_S)
+            self._kill()
             raise EngineDeadError(f"the engine process exited while starting ({_exit_status(self.process)})") from None
-        if reply[0] == "failed":
-            self.process.join(STOP_TIMEOUT_S)
-            raise reply[1]
+        except BaseException:  # its error, or an interrupt while it loads: nothing may outlive this call
+            self._kill()
+            raise
         _, self.config, self.stats = reply
         logger.info("engine core running in process %d", self.process.pid)
 
     def start(self, sink: EngineCoreSink, record_steps: bool) -> None:
-        self._conn.send(record_steps)
+        with self._send_lock, contextlib.suppress(OSError):  # a child already dead: the reader says so
+            self._conn.send(record_steps)
         self._reader = threading.Thread(target=self._read_results, args=(sink,), name="engine-results",
                                         daemon=True)
         self._reader.start()
 
     def _read_results(self, sink: EngineCoreSink) -> None:
-        while True:
-            try:
-                kind, *payload = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if kind == "step":
-                sink.on_step(*payload)
-            elif kind == "request_failed":
-                sink.on_request_failed(*payload)
-            elif kind == "snapshot":
-                sink.on_kv_cache_snapshot(*payload)
-            elif kind == "dead":
-                sink.on_engine_dead(payload[0])
-                return
-            else:
-                kind == "stopped" or logger.error("unknown message %r from the engine process", kind)
-                if kind == "stopped":
+        try:
+            while True:
+                try:
+                    kind, *payload = self._conn.recv()
+                except (EOFError, OSError):
+                    break
+                if kind == "step":
+                    sink.on_step(*payload)
+                elif kind == "request_failed":
+                    sink.on_request_failed(*payload)
+                elif kind == "snapshot":
+                    sink.on_kv_cache_snapshot(*payload)
+                elif kind == "dead":
+                    sink.on_engine_dead(payload[0])
                     return
+                else:  # "stopped": the loop returned at Stop
+                    return
+        except BaseException as exc:  # noqa: BLE001 - a result that cannot be read: no later one can be trusted
+            logger.exception("reading the engine process's results failed")
+            self._kill()
+            sink.on_engine_dead(exc)
+            return
+        if self._stopping:
+            return
         # The pipe closed without a word: the process died (a segfault, the OOM killer, kill -9).
-        self.process.join(1.0)
+        self.process.join(5.0)  # reaps it (the pipe closes a moment before the exit status is there)
         sink.on_engine_dead(EngineDeadError(f"the engine process died ({_exit_status(self.process)})"))
 
     def send(self, message: Message) -> None:
@@ -297,12 +314,24 @@ class ProcClient(EngineCoreClient):
         return self.process.is_alive()
 
     def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the loop to stop; with ``timeout_s`` 0 return at once (a second call with a timeout joins it),
+        else wait that long for the process to exit, then kill it."""
+        self._stopping = True
         self.send(Stop())
+        if timeout_s <= 0:
+            return
         self.process.join(timeout_s)
         if self.process.is_alive():
             logger.warning("the engine process did not stop within %.0f s: killing it", timeout_s)
+        self._kill()
+        if self._reader is not None:
+            self._reader.join(timeout_s)  # before the pipe closes under it
+
+    def _kill(self) -> None:
+        """Kill the process if it still runs, reap it and close the pipe."""
+        if self.process.is_alive():
             self.process.kill()
-            self.process.join()
+        self.process.join()
         self._conn.close()
 
 
@@ -317,37 +346,52 @@ def _exit_status(process: multiprocessing.process.BaseProcess) -> str:
 
 
 class _PipeSink:
-    """``EngineCoreSink`` in the child: each result is one pickled message to the parent."""
+    """``EngineCoreSink`` in the child: each result is one pickled message to the parent. A parent gone
+    takes nothing: its pipe's reader thread has queued ``Stop`` by then."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
+    def _send(self, message: tuple) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(message)
+
     def on_step(self, outputs: list[EngineCoreOutput], stats: SchedulerStats, num_applied: int,
                 step_record: dict[str, Any] | None) -> None:
-        self._conn.send(("step", outputs, stats, num_applied, step_record))
+        self._send(("step", outputs, stats, num_applied, step_record))
 
     def on_request_failed(self, parent_request_id: str, error: BaseException) -> None:
-        self._conn.send(("request_failed", parent_request_id, picklable_error(error)))
+        self._send(("request_failed", parent_request_id, picklable_error(error)))
 
     def on_kv_cache_snapshot(self, ticket: int, snapshot: dict[str, Any] | None,
                              error: BaseException | None) -> None:
-        self._conn.send(("snapshot", ticket, snapshot, None if error is None else picklable_error(error)))
+        self._send(("snapshot", ticket, snapshot, None if error is None else picklable_error(error)))
 
     def on_engine_dead(self, error: BaseException) -> None:
-        self._conn.send(("dead", picklable_error(error)))
+        self._send(("dead", picklable_error(error)))
 
 
 def picklable_error(error: BaseException) -> BaseException:
-    """``error`` if it survives a pickle round trip (custom exceptions may not), else one that says the same."""
+    """``error`` if it survives a pickle round trip (custom exceptions may not), else its nearest built-in
+    class with its message (a ``ValueError`` stays a ``ValueError``: a 400, not a 500)."""
     try:
         pickle.loads(pickle.dumps(error))
-    except Exception:  # noqa: BLE001 - any failure means: send the text instead
-        return RuntimeError(repr(error))
+    except Exception:  # noqa: BLE001 - any failure means: send the built-in kind and the text instead
+        builtin = next(cls for cls in type(error).__mro__ if cls.__module__ == "builtins")
+        try:
+            return builtin(f"{type(error).__name__}: {error}")
+        except Exception:  # noqa: BLE001 - a built-in that takes other arguments
+            return RuntimeError(repr(error))
     return error
 
 
 def _engine_process_main(args: EngineArgs, conn: Connection, log_config: dict[str, Any] | None) -> None:
     """The child: load the core, say so (or why not), then run the loop until ``Stop`` or the pipe closes."""
+    # Ctrl-C in a terminal, or a signal to the server's process group, is for the server, which drains its
+    # requests and then stops this process (Stop, or its pipe closing): the engine must not die first.
+    os.setpgrp()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _ignore_signal)
     if log_config is not None:
         logging.config.dictConfig(log_config)
     try:
@@ -357,10 +401,10 @@ def _engine_process_main(args: EngineArgs, conn: Connection, log_config: dict[st
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(("failed", picklable_error(exc)))
         return
-    conn.send(("ready", core.config, core.make_stats()))
     try:
+        conn.send(("ready", core.config, core.make_stats()))
         record_steps = conn.recv()
-    except EOFError:  # the parent went away before starting us
+    except (EOFError, OSError):  # the parent went away before starting us
         core.shutdown()
         return
     inputs: queue.SimpleQueue = queue.SimpleQueue()
@@ -373,6 +417,12 @@ def _engine_process_main(args: EngineArgs, conn: Connection, log_config: dict[st
         core.shutdown()
     with contextlib.suppress(OSError):
         conn.send(("stopped",))
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    # A Python handler, not SIG_IGN, which the tensor-parallel ranks started from here would inherit.
+    logger.info("the engine process ignores %s: the server stops it once its requests are drained",
+                signal.Signals(signum).name)
 
 
 def _read_messages(conn: Connection, inputs: queue.SimpleQueue) -> None:

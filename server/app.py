@@ -24,9 +24,8 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__
-from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.async_llm import AsyncLLM, LoadedClient
 from pagedserve.engine.config import EngineArgs, parse_size
-from pagedserve.engine.loading import LoadedEngine
 from pagedserve.server.chat import create_chat_completion
 from pagedserve.server.completions import create_completion
 from pagedserve.server.dashboard import router as dashboard_router
@@ -353,7 +352,7 @@ def _install_openapi(app: FastAPI, api_key_set: bool) -> None:
 
 
 def build_app(engine_args: EngineArgs | None = None, server_args: ServerArgs | None = None,
-              engine: AsyncLLM | None = None, loaded: LoadedEngine | None = None,
+              engine: AsyncLLM | None = None, loaded: LoadedClient | None = None,
               on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The OpenAI-compatible app.
 

@@ -184,7 +184,7 @@ class _DrainingServer(uvicorn.Server):
         if engine is not None:
             logger.info("the drain timeout (%.0f s) has passed: ending the requests still running",
                         self.drain_timeout_s)
-            # The app's lifespan shuts it down again after uvicorn: a no-op by then, bar joining its thread.
+            # The app's lifespan shuts it down again after uvicorn, which waits for the engine to stop.
             await engine.shutdown(0)
 
 

@@ -49,6 +49,19 @@ def test_the_engine_core_runs_in_a_child_process_and_serves(tmp_path: Path) -> N
     assert not Path(f"/proc/{pid}").exists()
 
 
+def test_a_signal_for_the_server_s_process_group_does_not_kill_the_engine(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal reaches the whole foreground process group: the engine must outlive it, so that
+    the server can drain its requests and then stop the engine."""
+    with cli_server(tmp_path, *ARGS) as (url, _):
+        pid = engine_pid(tmp_path / "server.log")
+        assert os.getpgid(pid) == pid  # a group of its own
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
 def test_kill_9_of_the_engine_ends_the_stream_with_an_error_and_the_server_exits_1(tmp_path: Path) -> None:
     with cli_server(tmp_path, *ARGS) as (url, process):
         pid = engine_pid(tmp_path / "server.log")
@@ -84,9 +97,9 @@ def test_errors_cross_the_process_boundary_whole() -> None:
         copy = pickle.loads(pickle.dumps(picklable_error(error)))
         assert type(copy) is type(error) and str(copy) == str(error) and vars(copy) == vars(error)
 
-    class Unpicklable(Exception):
+    class Unpicklable(ValueError):  # a refusal the engine raised: it must stay a 400 on the other side
         def __init__(self, a: int, b: int) -> None:
             super().__init__(f"{a}/{b}")
 
     copy = pickle.loads(pickle.dumps(picklable_error(Unpicklable(1, 2))))
-    assert type(copy) is RuntimeError and str(copy) == "Unpicklable('1/2')"
+    assert type(copy) is ValueError and str(copy) == "Unpicklable: 1/2"

@@ -54,7 +54,7 @@ MAX_CHOICES = llguidance.LLParserLimits().max_items_in_row - 1
 #: llguidance's compile time grows with the square of one object's optional properties (4,000 take 2 s).
 MAX_SCHEMA_PROPERTIES = 5_000
 #: Compiled grammars kept (least recently used dropped first), by count and by estimated size; the most
-#: recent one is always kept, so that the engine finds the grammar the frontend just compiled.
+#: recent one is always kept, so that an engine sharing the frontend's compiler finds the grammar it just compiled.
 MAX_CACHED_GRAMMARS = 256
 MAX_CACHED_GRAMMAR_BYTES = 256 * 1024**2
 #: A compiled grammar's memory, estimated from its text: measured at up to 60 bytes per character once compiled
@@ -388,7 +388,7 @@ class GrammarCompiler:
             self.compile(params).result()
 
     async def check_async(self, params: StructuredOutputsParams | None) -> None:
-        """``check`` without blocking the event loop: compiled on a compile thread, the result cached for the engine.
+        """``check`` without blocking the event loop: compiled on a compile thread, the result cached.
 
         Cancelling the caller (a client that disconnects) leaves a compilation that has started running for
         the others and the cache; one still queued is cancelled when no other caller waits on it.

@@ -23,8 +23,9 @@ class GuidanceManager:
     Used from the engine thread only (the compiler's pool does the compiling).
 
     Args:
-        compiler: shared with the frontend, which compiled (and so validated) each grammar before
-            the request was queued; the engine finds it in the compiler's cache.
+        compiler: the engine's. On a thread of the server's process (``InprocClient``, offline ``LLM``) it is
+            the frontend's too, which compiled (and so validated) each grammar before the request was queued,
+            and the engine finds it in the cache; in an engine process the grammar compiles again here.
     """
 
     def __init__(self, compiler: GrammarCompiler) -> None:
