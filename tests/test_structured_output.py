@@ -201,13 +201,13 @@ def test_bad_constraints_are_refused_before_the_engine_and_it_stays_healthy(clie
            ({"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json", "no-such-format"),
            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "unclosed group"),
            ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar", "")]
-    applied_before = served.engine._num_applied
+    submitted_before = served.engine._num_submitted
     for body, param, feature in bad:
         response = client.post("/v1/chat/completions", json={"messages": ASK_PERSON, **body})
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and feature in error["message"], error
-    assert served.engine._num_applied == applied_before  # nothing reached the engine thread
+    assert served.engine._num_submitted == submitted_before  # nothing was sent to the engine
     assert client.get("/health").status_code == 200
     assert client.post("/v1/chat/completions", json={"messages": ASK_PERSON, "max_tokens": 2}).status_code == 200
 
