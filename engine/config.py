@@ -118,6 +118,10 @@ class EngineArgs:
         None, "Speculative decoding as a JSON object (a mapping in YAML) with vLLM's keys: method (ngram = "
         "prompt lookup), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (default 5 each), "
         "disable_by_batch_size; empty = off")
+    async_scheduling: bool = _arg(
+        False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
+        "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
+        "scheduler's and the output path's time behind the forward pass. Not with speculative_config")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -156,6 +160,11 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from err
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
+            if self.async_scheduling:
+                # A draft is proposed from the request's last known token, but with a step in flight that token
+                # is a placeholder the scheduler has not seen yet (vLLM refuses n-gram drafts with it too).
+                raise ValueError("async_scheduling cannot be combined with speculative_config: drafts need the "
+                                 "previous step's tokens, which async scheduling plans without")
 
 
 #: ``speculative_config`` methods: ngram = prompt lookup (``pagedserve.engine.core.ngram_proposer``).
@@ -222,6 +231,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool = False  # plan step N + 1 while step N runs (``Request.num_output_placeholders``)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
@@ -333,7 +343,8 @@ class EngineConfig:
         model_config = ModelConfig.from_args(args)
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
-                                                    model_config.max_model_len, args.long_prefill_token_threshold),
+                                                    model_config.max_model_len, args.long_prefill_token_threshold,
+                                                    args.async_scheduling),
                    cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching),
                    speculative_config=None if args.speculative_config is None
                    else SpeculativeConfig.from_dict(args.speculative_config))

@@ -4,7 +4,9 @@ docs/architecture.md, "One engine step", walks through it.
 
 ``step()`` is, as in vLLM V1: ``schedule()`` -> ``execute_model()`` (forward,
 logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
-``update_from_output()``. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
+``update_from_output()``. With async scheduling (``EngineArgs.async_scheduling``) the executor's calls
+run on a worker thread, and ``step()`` plans step N + 1 and starts its forward pass before it takes step
+N's tokens: the scheduler, the grammars and the output path then work while the model runs. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
 applies new requests and aborts between steps. The core touches no device: the executor does. Its only
 torch import is ``pagedserve.engine.profiling``'s regions, which time the step's phases.
 
@@ -21,16 +23,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from pagedserve.engine.config import EngineConfig, SpeculativeConfig
 from pagedserve.engine.core.draft_proposer import DraftProposer
 from pagedserve.engine.core.ngram_proposer import NgramProposer
 from pagedserve.engine.core.scheduler import Scheduler, SchedulerStats
+from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from pagedserve.engine.core.spec_decode import DraftGate
 from pagedserve.engine.core.structured_output import StructuredOutputManager
 from pagedserve.engine.executor.abstract import Executor
-from pagedserve.engine.outputs import EngineCoreOutput
+from pagedserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.engine.profiling import region
 from pagedserve.engine.request import EngineCoreRequest, Request, RequestStatus
 from pagedserve.engine.step_records import kv_cache_snapshot, make_step_record, scheduled_requests
@@ -40,6 +44,23 @@ logger = logging.getLogger(__name__)
 #: Longest a step that could schedule nothing (every waiting request's grammar still compiling) waits
 #: for a grammar; new requests and aborts wait as long.
 GRAMMAR_WAIT_S = 0.01
+
+
+@dataclasses.dataclass
+class _InFlightStep:
+    """A step the worker thread is running (async scheduling).
+
+    Attributes:
+        scheduler_output: its plan.
+        result: its output, with the seconds its forward pass and its sampling took on the worker.
+        scheduled: its requests' step-record entries (``scheduled_requests``); empty when records are off.
+        schedule_s: seconds ``schedule()`` took.
+    """
+
+    scheduler_output: SchedulerOutput
+    result: Future[tuple[ModelRunnerOutput, float, float]]
+    scheduled: list[Any]
+    schedule_s: float
 
 
 class EngineCore:
@@ -81,6 +102,13 @@ class EngineCore:
                                    structured_output_manager=structured_output_manager, drafter=drafter,
                                    draft_gate=gate)
         self.num_steps = 0
+        # Async scheduling: one thread runs the executor's calls in the order they are submitted, so a step's
+        # forward pass always follows the sampling of the step before (its input is that step's token).
+        self._worker_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedserve-worker")
+                               if config.scheduler_config.async_scheduling else None)
+        self._in_flight: _InFlightStep | None = None
+        if self._worker_thread is not None:
+            logger.info("async scheduling: each step is planned while the worker runs the one before")
         # Step records for the dashboard (engine/step_records.py), taken by take_step_record(); off
         # unless a reader switches them on (AsyncLLM does, with step_record_buffer_size > 0).
         self.record_steps = False
@@ -130,7 +158,7 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run, sample and account one step. Returns the requests' new tokens, and the
@@ -140,6 +168,8 @@ class EngineCore:
             Exception: a fault no request can be blamed for (the forward pass, the device); the
                 engine cannot step again.
         """
+        if self._worker_thread is not None:
+            return self._step_async()
         if not self.scheduler.has_requests():
             return []
         with region("engine_core.step"):
@@ -160,14 +190,80 @@ class EngineCore:
             with region("scheduler.update_from_output"):
                 outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         if self.record_steps:
-            durations = {"schedule": scheduled_at - start, "forward": forward_done - scheduled_at,
-                         "sample": sampled_at - forward_done, "update": time.perf_counter() - sampled_at}
-            durations["total"] = sum(durations.values())
-            self._step_record = make_step_record(self.num_steps, durations, self.scheduler, scheduler_output,
-                                                 scheduled, outputs, self._finished_since_record)
-            self._finished_since_record = []
+            self._record_step(scheduler_output, scheduled, outputs, {
+                "schedule": scheduled_at - start, "forward": forward_done - scheduled_at,
+                "sample": sampled_at - forward_done, "update": time.perf_counter() - sampled_at})
         self.num_steps += 1
         return outputs
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """One call of async scheduling: plan the next step and start its forward pass, then take the tokens
+        of the step in flight, then start the next step's sampling.
+
+        The sampling starts only after the update because the grammars must have taken the previous step's
+        tokens before they give the next step's masks. On the worker thread the order is forward N, sample N,
+        forward N + 1, ...: step N + 1's forward pass runs while this thread updates step N.
+
+        Returns:
+            The outputs of the step that was in flight; none on the first call.
+        """
+        launched = None
+        if self.scheduler.has_requests():
+            start = time.perf_counter()
+            with region("scheduler.schedule"):
+                scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+                scheduled = scheduled_requests(self.scheduler, scheduler_output) if self.record_steps else []
+                forward = self._worker_thread.submit(self._run_forward, scheduler_output)
+                launched = (scheduler_output, forward, scheduled, time.perf_counter() - start)
+            elif self._in_flight is None:
+                # Only requests whose grammars are compiling: wait for one instead of spinning.
+                self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
+        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        if launched is not None:
+            scheduler_output, forward, scheduled, schedule_s = launched
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            result = self._worker_thread.submit(self._run_sample, forward, grammar_output)
+            self._in_flight = _InFlightStep(scheduler_output, result, scheduled, schedule_s)
+        return outputs
+
+    def _run_forward(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput | None, float]:
+        """On the worker thread: ``execute_model`` and the seconds it took."""
+        start = time.perf_counter()
+        return self.executor.execute_model(scheduler_output), time.perf_counter() - start
+
+    def _run_sample(self, forward: Future[tuple[ModelRunnerOutput | None, float]],
+                    grammar_output: GrammarOutput | None) -> tuple[ModelRunnerOutput, float, float]:
+        """On the worker thread, after ``forward`` (submitted before it): the step's output, and the seconds
+        its forward pass and its sampling took."""
+        output, forward_s = forward.result()
+        start = time.perf_counter()
+        if output is None:
+            output = self.executor.sample_tokens(grammar_output)
+        return output, forward_s, time.perf_counter() - start
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and apply its output to the scheduler."""
+        step, self._in_flight = self._in_flight, None
+        with region("engine_core.wait_for_worker"):
+            model_runner_output, forward_s, sample_s = step.result.result()
+        start = time.perf_counter()
+        with region("scheduler.update_from_output"):
+            outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)
+        if self.record_steps:
+            # The phases overlap: schedule and update ran on this thread while other steps ran on the worker's.
+            self._record_step(step.scheduler_output, step.scheduled, outputs, {
+                "schedule": step.schedule_s, "forward": forward_s, "sample": sample_s,
+                "update": time.perf_counter() - start})
+        self.num_steps += 1
+        return outputs
+
+    def _record_step(self, scheduler_output: SchedulerOutput, scheduled: list[Any], outputs: list[EngineCoreOutput],
+                     durations: dict[str, float]) -> None:
+        durations["total"] = sum(durations.values())
+        self._step_record = make_step_record(self.num_steps, durations, self.scheduler, scheduler_output,
+                                             scheduled, outputs, self._finished_since_record)
+        self._finished_since_record = []
 
     def take_step_record(self) -> dict[str, Any] | None:
         """The last step's record (``engine/step_records.py``), once; None when there is none new or
@@ -192,6 +288,8 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
+        if self._worker_thread is not None:
+            self._worker_thread.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown()
 
 

@@ -62,7 +62,10 @@ class Request:
 
     ``num_computed_tokens`` counts tokens of ``all_token_ids`` whose K/V are in
     the cache; a token sampled at step t is appended at once but computed at
-    step t + 1. ``block_hashes`` holds the chained hash of every full block of
+    step t + 1. With async scheduling the scheduler plans step t + 1 before step t's
+    token comes back: ``num_output_placeholders`` counts the tokens sampled (or being
+    sampled) by the worker that are not in ``all_token_ids`` yet, and
+    ``num_computed_tokens`` may run up to ``num_tokens + num_output_placeholders``. ``block_hashes`` holds the chained hash of every full block of
     ``all_token_ids`` (prompt and output), kept current on each append.
 
     Args:
@@ -87,6 +90,8 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens of steps in flight, sampled on the worker but not appended yet (async scheduling; else 0).
+        self.num_output_placeholders = 0
         # Draft tokens to verify in the next step (speculative decoding); not part of the sequence.
         self.spec_token_ids: list[int] = []
         # Prompt tokens served from the prefix cache at first scheduling; -1 before.

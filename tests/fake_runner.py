@@ -6,6 +6,8 @@ cache as one token id per slot, and checks on every step that each request's
 blocks hold its tokens, which catches wrong prefix-cache hits, block lists and
 positions. Its "model" is a deterministic function of the whole sequence; draft
 tokens are verified greedily against it (the accepted ones plus one of its own).
+``step_pipelined`` drives a scheduler the way async scheduling does: the next plan
+runs before the previous step's tokens reach the scheduler.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class _State:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    num_prompt_tokens: int
 
 
 class FakeModelRunner:
@@ -49,7 +52,7 @@ class FakeModelRunner:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.requests
             self.requests[new.req_id] = _State(list(new.prompt_token_ids), list(new.block_ids),
-                                               new.num_computed_tokens)
+                                               new.num_computed_tokens, len(new.prompt_token_ids))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -59,6 +62,7 @@ class FakeModelRunner:
                 state.block_ids.extend(cached.new_block_ids[i])
             if req_id in cached.all_token_ids:
                 state.token_ids = list(cached.all_token_ids[req_id])
+            assert len(state.token_ids) - state.num_prompt_tokens == cached.num_output_tokens[i], req_id
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
         req_ids = list(so.num_scheduled_tokens)
@@ -95,6 +99,31 @@ class FakeModelRunner:
 def step(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     so = scheduler.schedule()
     return so, scheduler.update_from_output(so, runner.execute_model(so))
+
+
+class Pipeline:
+    """Async scheduling's order of calls: plan and run step N + 1, then update the scheduler with step N.
+
+    The fake runner computes a step as soon as it is planned, which is the order the real worker thread keeps
+    (step N's sampling, then step N + 1's forward pass), so a planned placeholder is always filled in."""
+
+    def __init__(self, scheduler: Scheduler, runner: FakeModelRunner) -> None:
+        self.scheduler, self.runner = scheduler, runner
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+
+    def busy(self) -> bool:
+        return self.scheduler.has_requests() or self.in_flight is not None
+
+    def step(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
+        """One engine-core call: the new plan (None when there was nothing to plan) and the outputs of the
+        step that was in flight."""
+        so = self.scheduler.schedule() if self.scheduler.has_requests() else None
+        if so is not None and not (so.total_num_scheduled_tokens or so.finished_req_ids):
+            so = None
+        launched = (so, self.runner.execute_model(so)) if so is not None else None
+        outputs = self.scheduler.update_from_output(*self.in_flight) if self.in_flight is not None else []
+        self.in_flight = launched
+        return so, outputs
 
 
 def reference_tokens(prompt: list[int], max_tokens: int, vocab_size: int, eos_token_id: int | None = None,

@@ -103,3 +103,32 @@ def test_errors_cross_the_process_boundary_whole() -> None:
 
     copy = pickle.loads(pickle.dumps(picklable_error(Unpicklable(1, 2))))
     assert type(copy) is ValueError and str(copy) == "Unpicklable: 1/2"
+
+
+def test_async_scheduling_serves_what_the_synchronous_engine_serves(tmp_path: Path, client: httpx.Client) -> None:
+    """``--async-scheduling`` reaches the engine process, and clients get the synchronous engine's answers
+    (the session's server): greedy choices, logprobs, a stop string in a stream, a grammar."""
+    requests = [
+        {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "n": 2, "logprobs": 2},
+        {"prompt": "Count: 1, 2, 3,", "max_tokens": 30, "temperature": 0, "stop": [" 7"], "stream": True},
+        {"prompt": "Is the sky blue? Answer:", "max_tokens": 5, "temperature": 0, "guided_choice": [" yes", " no"]},
+    ]
+
+    def answers(post) -> list[object]:
+        result = []
+        for body in requests:
+            response = post("/v1/completions", body)
+            assert response.status_code == 200, response.text
+            if body.get("stream"):
+                events = [e for e in sse_payloads(response.iter_lines()) if e != "[DONE]"]
+                result.append(("".join(e["choices"][0]["text"] for e in events),
+                               [e["choices"][0]["finish_reason"] for e in events][-1]))
+            else:
+                result.append([(c["text"], c["finish_reason"], c["logprobs"]) for c in response.json()["choices"]])
+        return result
+
+    expected = answers(lambda path, body: client.post(path, json=body))
+    with cli_server(tmp_path, *ARGS, "--async-scheduling") as (url, _):
+        assert "async scheduling: each step is planned while the worker runs" in (tmp_path / "server.log").read_text()
+        with httpx.Client(base_url=url, timeout=120) as async_client:
+            assert answers(lambda path, body: async_client.post(path, json=body)) == expected

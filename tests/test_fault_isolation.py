@@ -43,9 +43,9 @@ BAD_PROMPT = [11, 12, 13, 14, 15, 16]
 MARKER = {5: 0.0}
 
 
-def make_core(folder: str) -> EngineCore:
-    return EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128,
-                                                        kv_cache_memory_bytes="4MiB")))
+def make_core(folder: str, async_scheduling: bool = False) -> EngineCore:
+    return EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
+                                                        async_scheduling=async_scheduling)))
 
 
 def add(core: EngineCore, req_id: str, prompt: list[int], params: SamplingParams) -> None:
@@ -130,10 +130,11 @@ def test_seed_the_generator_cannot_take(tiny_llama_folder, reference):
     assert_isolated(core, tokens, errors, reference, "")
 
 
-def test_fault_inserting_into_persistent_batch(tiny_llama_folder, reference, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_fault_inserting_into_persistent_batch(tiny_llama_folder, reference, monkeypatch, async_scheduling):
     monkeypatch.setattr(InputBatch, "add_request", fail_for_bad(
         InputBatch.add_request, "insert injected", lambda self, state: state.req_id))
-    core = make_core(tiny_llama_folder)
+    core = make_core(tiny_llama_folder, async_scheduling)
     tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
     assert_isolated(core, tokens, errors, reference, "insert injected")
 
@@ -152,6 +153,28 @@ def test_fault_in_row_inputs(tiny_llama_folder, reference, monkeypatch):
     core = make_core(tiny_llama_folder)
     tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
     assert_isolated(core, tokens, errors, reference, "inconsistent row")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_worker_holding_another_count_of_output_tokens_fails_that_request(tiny_llama_folder, reference,
+                                                                            monkeypatch, async_scheduling):
+    """``CachedRequestData.num_output_tokens`` is the length of the worker's copy of a request's output (with
+    async scheduling, the token it sampled in the step in flight included); a request whose copy differs
+    (a bookkeeping fault) fails alone instead of running on a context the scheduler does not know."""
+    make_output = Scheduler._make_output
+
+    def miscounting_make_output(self, plan):
+        output = make_output(self, plan)
+        cached = output.scheduled_cached_reqs
+        if "bad" in cached.req_ids:
+            cached.num_output_tokens[cached.req_ids.index("bad")] += 1
+        return output
+
+    monkeypatch.setattr(Scheduler, "_make_output", miscounting_make_output)
+    core = make_core(tiny_llama_folder, async_scheduling)
+    tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
+    assert_isolated(core, tokens, errors, reference, "the worker holds 1 output tokens of the request, "
+                                                     "the scheduler counts 2")
 
 
 def test_bad_logit_bias_fails_as_its_row_enters_the_batch(tiny_llama_folder, reference):

@@ -13,15 +13,16 @@ from pagedserve.engine.config import CacheConfig, SchedulerConfig
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.fake_runner import FakeModelRunner, reference_tokens, step
+from tests.fake_runner import FakeModelRunner, Pipeline, reference_tokens, step
 
 BLOCK_SIZE = 16
 VOCAB = 50
 
 
 def make(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024, threshold=0,
-         caching=True):
-    sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, threshold),
+         caching=True, async_scheduling=False):
+    sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, threshold,
+                                      async_scheduling),
                       CacheConfig(num_blocks, BLOCK_SIZE, caching))
     return sched, FakeModelRunner(num_blocks, BLOCK_SIZE, VOCAB)
 
@@ -257,10 +258,13 @@ def test_scheduler_side_imports_no_torch():
     max_num_seqs=st.integers(1, 6),
     threshold=st.sampled_from([0, 8, 24]),
     caching=st.booleans(),
+    async_scheduling=st.booleans(),
 )
-def test_random_workload_keeps_invariants(reqs, num_blocks, budget, max_num_seqs, threshold, caching):
+def test_random_workload_keeps_invariants(reqs, num_blocks, budget, max_num_seqs, threshold, caching,
+                                          async_scheduling):
     sched, runner = make(num_blocks=num_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                         threshold=threshold, caching=caching)
+                         threshold=threshold, caching=caching, async_scheduling=async_scheduling)
+    pipeline = Pipeline(sched, runner) if async_scheduling else None
     pending = []
     for i, (plen, max_tokens, arrival, abort, shared) in enumerate(reqs):
         prompt = [shared] * min(plen, 20) + [(i * 13 + k) % VOCAB for k in range(max(0, plen - 20))]
@@ -279,10 +283,10 @@ def test_random_workload_keeps_invariants(reqs, num_blocks, budget, max_num_seqs
             if abort and arrival + 3 == t and rid in sched.requests:
                 sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                 aborted.add(rid)
-        if t > 40 and not sched.has_requests():
+        if t > 40 and not (pipeline.busy() if pipeline else sched.has_requests()):
             break
-        so, outs = step(sched, runner)
-        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()) <= budget
+        so, outs = pipeline.step() if pipeline else step(sched, runner)
+        assert so is None or so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values()) <= budget
         assert len(sched.running) <= max_num_seqs
         owners: dict[int, int] = {}
         for blocks in sched.kv_cache_manager.req_to_blocks.values():
@@ -314,3 +318,107 @@ def test_drafts_are_dropped_before_another_request_is_preempted_for_them():
     so = sched.schedule()
     assert not so.preempted_req_ids and so.scheduled_spec_decode_tokens == {}
     assert so.num_scheduled_tokens == {"old": 1, "new": 1}
+
+
+# ---------------------------------------------------------------------- async scheduling
+
+
+def run_pipelined(sched, runner):
+    """Run every request to the end with async scheduling; returns tokens and finish reasons by request, and
+    the plans."""
+    pipeline = Pipeline(sched, runner)
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+    plans = []
+    while pipeline.busy():
+        so, outs = pipeline.step()
+        plans.append(so)
+        for o in outs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                finish[o.request_id] = o.finish_reason.value
+    return outputs, finish, plans
+
+
+def test_async_scheduling_plans_the_token_in_flight_as_a_placeholder():
+    sched, runner = make(async_scheduling=True)
+    prompt = list(range(5))
+    expected = reference_tokens(prompt, 3, VOCAB)
+    sched.add_request(req("a", prompt, max_tokens=3))
+    a = sched.requests["a"]
+    pipeline = Pipeline(sched, runner)
+
+    so, outs = pipeline.step()  # the prompt; its first token is sampled in flight
+    assert so.num_scheduled_tokens == {"a": 5} and outs == []
+    assert (a.num_computed_tokens, a.num_output_placeholders, a.num_output_tokens) == (5, 1, 0)
+
+    so, outs = pipeline.step()  # planned before that token is known: it runs the placeholder
+    assert so.num_scheduled_tokens == {"a": 1}
+    assert so.scheduled_cached_reqs.num_computed_tokens == [5]
+    assert so.scheduled_cached_reqs.num_output_tokens == [1]  # the worker holds the token it sampled
+    assert [o.new_token_ids for o in outs] == [expected[:1]]
+    assert (a.num_computed_tokens, a.num_output_placeholders, a.num_output_tokens) == (6, 1, 1)
+
+    so, outs = pipeline.step()
+    assert so.num_scheduled_tokens == {"a": 1} and [o.new_token_ids for o in outs] == [expected[1:2]]
+
+    so, outs = pipeline.step()  # the token in flight is the 3rd of max_tokens 3: nothing more is planned
+    assert so is None
+    assert [(o.new_token_ids, o.finish_reason.value) for o in outs] == [(expected[2:], "length")]
+    assert a.num_output_placeholders == 0
+
+    while pipeline.busy():  # the worker is told to drop the request
+        so, outs = pipeline.step()
+        assert outs == [] and so is None or so.finished_req_ids == {"a"}
+    assert sched.kv_cache_manager.usage == 0
+
+
+def test_async_scheduling_hides_the_token_after_a_stop():
+    """A request that stops at step N has run one more token in step N + 1 (planned before the stop was
+    known); nobody sees it."""
+    prompt = list(range(7))
+    expected = reference_tokens(prompt, 8, VOCAB)
+    eos = expected[1]
+    assert eos not in expected[:1]
+    sched, runner = make(async_scheduling=True)
+    sched.add_request(req("a", prompt, max_tokens=8, eos=eos))
+    outputs, finish, plans = run_pipelined(sched, runner)
+    assert outputs == {"a": expected[:2]} and finish == {"a": "stop"}
+    assert [so.num_scheduled_tokens.get("a") for so in plans if so is not None] == [7, 1, 1, None]
+    sync_sched, sync_runner = make()
+    sync_sched.add_request(req("a", prompt, max_tokens=8, eos=eos))
+    assert run_all(sync_sched, sync_runner) == (outputs, finish)
+
+
+def test_async_scheduling_a_request_preempted_with_its_token_in_flight_gets_it_and_may_stop_in_the_queue():
+    """3 usable blocks of 16 tokens: ``b`` (16-token prompt) takes its second block at step 1; at step 2 ``a``
+    needs its second one, and ``b``, the latest arrival, is preempted while step 1 samples its 2nd token.
+    That token is ``b``'s EOS: ``b`` finishes in the waiting queue."""
+    prompt_a, prompt_b = [1] * 15, [2] * 16
+    expected_a = reference_tokens(prompt_a, 4, VOCAB)
+    expected_b = reference_tokens(prompt_b, 8, VOCAB)
+    assert expected_b[0] != expected_b[1]
+    sched, runner = make(num_blocks=4, async_scheduling=True)
+    sched.add_request(req("a", prompt_a, max_tokens=4))
+    sched.add_request(req("b", prompt_b, max_tokens=8, eos=expected_b[1]))
+    outputs, finish, plans = run_pipelined(sched, runner)
+    assert plans[2].preempted_req_ids == {"b"}
+    assert outputs == {"a": expected_a, "b": expected_b[:2]}
+    assert finish == {"a": "length", "b": "stop"}
+    assert not sched.waiting and not sched.requests and sched.kv_cache_manager.usage == 0
+
+
+def test_async_scheduling_and_the_synchronous_scheduler_give_the_same_tokens():
+    """Prefix caching, chunked prefill, preemption and stops, the two ways."""
+    def run(async_scheduling):
+        sched, runner = make(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=40, threshold=24,
+                             async_scheduling=async_scheduling)
+        for i in range(8):
+            prompt = [5] * 20 + [(i * 7 + k) % VOCAB for k in range(10 + 3 * i)]
+            eos = reference_tokens(prompt, 12, VOCAB)[5] if i % 3 == 0 else None
+            sched.add_request(req(f"r{i}", prompt, max_tokens=12, eos=eos))
+        result = run_pipelined(sched, runner)[:2] if async_scheduling else run_all(sched, runner)
+        assert sched.num_preemptions > 0 and sched.kv_cache_manager.prefix_cache_hits > 0
+        return result
+
+    assert run(True) == run(False)

@@ -330,3 +330,9 @@ def test_the_engine_says_at_start_that_speculation_is_on(tiny_llama_folder, capl
              and r.getMessage().startswith("speculative decoding")]
     assert lines == ["speculative decoding: method=ngram, num_speculative_tokens=3, prompt_lookup_min=5, "
                      "prompt_lookup_max=5, disable_by_batch_size=None"]
+
+
+def test_async_scheduling_with_speculation_is_refused_naming_both():
+    """Drafts are proposed from a request's last token, which async scheduling plans without."""
+    with pytest.raises(ValueError, match="async_scheduling cannot be combined with speculative_config"):
+        EngineArgs(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})

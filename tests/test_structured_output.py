@@ -375,14 +375,17 @@ def test_structured_outputs_params_need_exactly_one_valid_constraint(fields: dic
 
 
 @pytest.mark.slow
-def test_preempted_constrained_requests_resume_their_grammar() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preempted_constrained_requests_resume_their_grammar(async_scheduling: bool) -> None:
     """Requests preempted by recompute keep their grammar state: their greedy output is the same as
-    when they run alone, and still inside the grammar."""
+    when they run alone, and still inside the grammar. With async scheduling a step's masks are made after
+    the previous step's tokens reached the grammar (a stale mask would let a token out of the grammar)."""
     from pagedserve.engine.llm import LLM
 
     schema = SCHEMAS["array_bounds_and_enum"]
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
-    llm = LLM(max_model_len=256, num_gpu_blocks_override=10, block_size=16, max_num_seqs=4)
+    llm = LLM(max_model_len=256, num_gpu_blocks_override=10, block_size=16, max_num_seqs=4,
+              async_scheduling=async_scheduling)
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"List colours, take {i}."}],
                                                  tokenize=False, add_generation_prompt=True) for i in range(4)]
     solo = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].text for p in prompts]

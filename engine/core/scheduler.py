@@ -20,6 +20,13 @@ requests the drafter is asked for (``pagedserve.engine.core.spec_decode``: no dr
 batch or for a request whose drafts keep failing); ``SpecDecodingStats`` counts
 drafts and accepted tokens for the metrics.
 
+Async scheduling (``SchedulerConfig.async_scheduling``, vLLM's ``--async-scheduling``): the engine core
+plans step N + 1 before step N's tokens come back. A step that samples a request's next token adds one
+to its ``num_output_placeholders``, so that the next plan runs that token (the worker fills it in from
+its own sample) though its id is not known here yet; ``update_from_output`` swaps the placeholder for
+the token. A request that step N finishes has run one more token in step N + 1, which nobody sees.
+A request whose placeholders already reach ``max_tokens`` or ``max_model_len`` is not planned again.
+
 This package imports no torch.
 """
 
@@ -175,7 +182,8 @@ class Scheduler:
         return output
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens + len(request.spec_token_ids) - num_computed_tokens
+        num_new_tokens = (request.num_tokens + len(request.spec_token_ids) + request.num_output_placeholders
+                          - num_computed_tokens)
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -185,6 +193,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
+            if request.num_output_placeholders and self._placeholders_end(request):
+                index += 1  # its last token is in flight: nothing after it would be seen
+                continue
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, plan.token_budget)
             if request.spec_token_ids and not self.kv_cache_manager.can_allocate(request, num_new_tokens):
                 # Short of blocks: drop this request's drafts before preempting anyone for them.
@@ -211,6 +222,14 @@ class Scheduler:
             plan.num_scheduled_tokens[request.request_id] = num_new_tokens
             plan.token_budget -= num_new_tokens
             index += 1
+
+    def _placeholders_end(self, request: Request) -> bool:
+        """Whether the tokens in flight take ``request`` to ``max_tokens`` or ``max_model_len`` (async scheduling)."""
+        num_in_flight = request.num_output_placeholders
+        max_model_len = self.config.max_model_len
+        max_tokens = request.sampling_params.max_tokens or max_model_len
+        return (request.num_output_tokens + num_in_flight >= max_tokens
+                or request.num_tokens + num_in_flight >= max_model_len)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
@@ -266,6 +285,8 @@ class Scheduler:
                 cached.resumed_req_ids.add(req_id)
             cached.new_block_ids.append(plan.new_block_ids[req_id] or None)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            # The worker's own count includes the tokens it sampled that this side has not seen yet.
+            cached.num_output_tokens.append(request.num_output_tokens + request.num_output_placeholders)
             if resumed or req_id not in self._prev_step_scheduled:
                 cached.all_token_ids[req_id] = list(request.all_token_ids)
         new_reqs = [NewRequestData.from_request(r, plan.new_block_ids[r.request_id]) for r in plan.new_reqs]
@@ -286,7 +307,11 @@ class Scheduler:
         # step, so the next schedule() must start after them even though the
         # step's output has not come back yet.
         for req_id, num_scheduled in output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_scheduled
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_scheduled
+            if (self.config.async_scheduling
+                    and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
         self._prev_step_scheduled = set(output.num_scheduled_tokens)
         self.num_scheduled_tokens += output.total_num_scheduled_tokens
@@ -343,6 +368,10 @@ class Scheduler:
             outputs += self._propose_drafts(finished)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
+            if self.config.async_scheduling:
+                # A request preempted while its last step ran gets that step's tokens in the waiting queue,
+                # and may finish there.
+                self.waiting = deque(r for r in self.waiting if r.request_id not in finished)
         return outputs
 
     def _update_request(self, request: Request, scheduler_output: SchedulerOutput,
@@ -357,6 +386,8 @@ class Scheduler:
             request.num_computed_tokens -= len(drafts) + 1 - len(generated)
             self.spec_decoding_stats.observe(len(drafts), len(generated) - 1)
             self.draft_gate.record(req_id, len(drafts), len(generated) - 1)
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= len(generated)
         new_token_ids = []
         grammars = self.structured_output_manager if request.sampling_params.structured_outputs else None
         for token_id in generated:

@@ -45,6 +45,10 @@ class CachedRequestData:
             ``new_block_ids`` replace the block list instead of extending it.
         new_block_ids: blocks allocated this step (None when none).
         num_computed_tokens: position where each request's input starts.
+        num_output_tokens: how many output tokens the worker's copy of each request holds when the
+            step starts: the scheduler's count plus the tokens in flight (async scheduling's
+            placeholders). A worker whose copy holds another count fails the request rather than run it
+            on a context the scheduler does not know.
         all_token_ids: prompt + output of requests not scheduled in the
             previous step (resumed ones included), keyed by request id.
     """
@@ -53,6 +57,7 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     new_block_ids: list[list[int] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property

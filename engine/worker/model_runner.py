@@ -194,6 +194,11 @@ class ModelRunner:
             state.block_ids.extend(new_block_ids)
         if req_id in cached.all_token_ids:
             state.output_token_ids = list(cached.all_token_ids[req_id][len(state.prompt_token_ids):])
+        if len(state.output_token_ids) != cached.num_output_tokens[i]:
+            # With async scheduling the count includes the token this worker sampled last step, which the
+            # step's input needs; any other difference is a bookkeeping fault, this request's alone.
+            raise RuntimeError(f"the worker holds {len(state.output_token_ids)} output tokens of the request, "
+                               f"the scheduler counts {cached.num_output_tokens[i]}")
         row = batch.req_id_to_index.get(req_id)
         if row is None:
             return True
