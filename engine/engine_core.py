@@ -6,9 +6,10 @@ docs/architecture.md, "One engine step", walks through it.
 logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
 ``update_from_output()``. With async scheduling (``EngineArgs.async_scheduling``) the executor's calls
 run on a worker thread, and ``step()`` plans step N + 1 and starts its forward pass before it takes step
-N's tokens: the scheduler, the grammars and the output path then work while the model runs. The caller (``LLM`` or ``AsyncLLM``'s engine thread)
-applies new requests and aborts between steps. The core touches no device: the executor does. Its only
-torch import is ``pagedserve.engine.profiling``'s regions, which time the step's phases.
+N's tokens: the scheduler, the grammars and the output path then work while the model runs. The caller
+(``LLM`` or ``AsyncLLM``'s engine thread) applies new requests and aborts between steps. The core
+touches no device: the executor does. Its only torch import is ``pagedserve.engine.profiling``'s
+regions, which time the step's phases.
 
 A fault in one request's own data (its worker state, its row's inputs, its sampling, the
 scheduler's accounting of its tokens) fails that request alone: it ends with ``FinishReason.ERROR``

@@ -65,8 +65,9 @@ class Request:
     step t + 1. With async scheduling the scheduler plans step t + 1 before step t's
     token comes back: ``num_output_placeholders`` counts the tokens sampled (or being
     sampled) by the worker that are not in ``all_token_ids`` yet, and
-    ``num_computed_tokens`` may run up to ``num_tokens + num_output_placeholders``. ``block_hashes`` holds the chained hash of every full block of
-    ``all_token_ids`` (prompt and output), kept current on each append.
+    ``num_computed_tokens`` may run up to ``num_tokens + num_output_placeholders``.
+    ``block_hashes`` holds the chained hash of every full block of ``all_token_ids``
+    (prompt and output), kept current on each append.
 
     Args:
         request_id: unique id.
