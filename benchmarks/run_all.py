@@ -258,15 +258,17 @@ def free_port() -> int:
 class ServerProcess:
     """A server subprocess in its own process group, logging to a file."""
 
-    def __init__(self, name: str, command: list[str], port: int, log_dir: Path, cwd: Path | None = None) -> None:
-        """Start ``command`` in ``cwd`` (default: this repository) with its output in ``log_dir``."""
+    def __init__(self, name: str, command: list[str], port: int, log_dir: Path, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """Start ``command`` in ``cwd`` (default: this repository), with ``env`` added to this process's
+        environment and its output in ``log_dir``."""
         self.command = command
         self.port = port
         self.base_url = f"http://{HOST}:{port}"
         self.log_path = log_dir / f"{name}-{port}.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(command, cwd=cwd or REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            env=os.environ | {"HF_HUB_OFFLINE": "1"},
+                                            env=os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {}),
                                             start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> str | None:

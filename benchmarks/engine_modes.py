@@ -1,0 +1,144 @@
+"""Where the engine core runs, measured over HTTP: a thread of the server (``PAGEDSERVE_ENABLE_MULTIPROCESSING=0``),
+its own process (the default), and its own process with ``--async-scheduling``.
+
+Per mode and concurrency (1, 16 and 64 streams, each stream a random 64-256-token prompt and 128 output
+tokens, EOS ignored), in the same run:
+
+- TTFT and TPOT p50, and output tokens per second, from ``pagedserve bench serve``'s load generator;
+- ``/health`` p50 and p99, polled every 50 ms while the load runs: what an orchestrator's probe waits.
+
+One server runs at a time, and the modes take turns (thread, process, async, thread, ...) for
+``--repeats`` rounds, so that a slow minute of a shared machine falls on every mode. The report gives each
+figure's median over the rounds, its spread, and each mode's ratio to the thread's.
+
+    python -m benchmarks.engine_modes --repeats 3 --result-json engine-modes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks.run_all import ServerProcess, free_port
+from pagedserve.server.bench.dataset import load_tokenizer, sample_requests
+from pagedserve.server.bench.serve import ServeOptions, benchmark
+
+#: name -> (environment, extra flags).
+MODES: dict[str, tuple[dict[str, str], list[str]]] = {
+    "thread": ({"PAGEDSERVE_ENABLE_MULTIPROCESSING": "0"}, []),
+    "process": ({}, []),
+    "process+async": ({}, ["--async-scheduling"]),
+}
+CONCURRENCIES = (1, 16, 64)
+HEALTH_PERIOD_S = 0.05
+
+
+async def _poll_health(base_url: str, stop: asyncio.Event) -> list[float]:
+    """``/health`` latencies in seconds, one probe every ``HEALTH_PERIOD_S`` until ``stop``."""
+    latencies = []
+    async with httpx.AsyncClient(timeout=60) as client:
+        while not stop.is_set():
+            start = time.perf_counter()
+            await client.get(base_url + "/health")
+            latencies.append(time.perf_counter() - start)
+            await asyncio.sleep(HEALTH_PERIOD_S)
+    return latencies
+
+
+async def _measure(base_url: str, model: str, concurrency: int, tokenizer: Any, seed: int) -> dict[str, float]:
+    requests = sample_requests(tokenizer, max(4, 2 * concurrency), (64, 256), (128, 128), seed=seed)
+    options = ServeOptions(base_url=base_url, model=model, max_concurrency=concurrency, ignore_eos=True,
+                           show_progress=False)
+    stop = asyncio.Event()
+    health = asyncio.create_task(_poll_health(base_url, stop))
+    metrics, _ = await benchmark(requests, options, tokenizer)
+    stop.set()
+    latencies = await health
+    if metrics["failed"]:
+        raise RuntimeError(f"{metrics['failed']} requests failed at concurrency {concurrency}")
+    return {"ttft_p50_ms": metrics["p50_ttft_ms"], "tpot_p50_ms": metrics["p50_tpot_ms"],
+            "output_tok_s": metrics["output_throughput"],
+            "health_p50_ms": 1000 * float(np.percentile(latencies, 50)),
+            "health_p99_ms": 1000 * float(np.percentile(latencies, 99))}
+
+
+def run_mode(name: str, server_args: list[str], log_dir: Path, tokenizer: Any, seed: int) -> dict[int, dict]:
+    environment, flags = MODES[name]
+    port = free_port()
+    command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *server_args, *flags]
+    server = ServerProcess(name.replace("+", "-"), command, port, log_dir, env=environment)
+    try:
+        if (why := server.wait_ready(600)) is not None:
+            raise RuntimeError(f"{name} did not start: {why}: {server.log_tail()}")
+        model = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        asyncio.run(_measure(server.base_url, model, 4, tokenizer, seed))  # warm-up: kernels, caches
+        return {c: asyncio.run(_measure(server.base_url, model, c, tokenizer, seed)) for c in CONCURRENCIES}
+    finally:
+        server.stop()
+
+
+def summarize(rounds: list[dict[str, dict[int, dict]]]) -> dict[str, dict[int, dict[str, list[float]]]]:
+    """mode -> concurrency -> metric -> [median, min, max] over the rounds."""
+    summary: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for mode in rounds[0]:
+        summary[mode] = {}
+        for c in CONCURRENCIES:
+            values = {k: [r[mode][c][k] for r in rounds] for k in rounds[0][mode][c]}
+            summary[mode][c] = {k: [statistics.median(v), min(v), max(v)] for k, v in values.items()}
+    return summary
+
+
+def markdown(summary: dict[str, dict[int, dict[str, list[float]]]], num_rounds: int) -> str:
+    baseline = next(iter(summary))
+    lines = [f"Median of {num_rounds} interleaved rounds [min-max]; ratio = mode / {baseline}.", "",
+             "| mode | streams | TTFT p50 ms | TPOT p50 ms | output tok/s | /health p50 ms | /health p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, by_c in summary.items():
+        for c, metrics in by_c.items():
+            base = summary[baseline][c]
+            cells = []
+            for key in ("ttft_p50_ms", "tpot_p50_ms", "output_tok_s", "health_p50_ms", "health_p99_ms"):
+                median, low, high = metrics[key]
+                ratio = "" if mode == baseline else f" ({median / base[key][0]:.2f}x)"
+                cells.append(f"{median:.1f} [{low:.1f}-{high:.1f}]{ratio}")
+            lines.append(f"| {mode} | {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every mode")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    parser.add_argument("--server-args", default="--max-model-len 1024 --kv-cache-memory-bytes 1GiB",
+                        help="flags every server gets (e.g. add --quantization gguf)")
+    parser.add_argument("--result-json", type=Path, help="write the rounds and the summary here")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    tokenizer = load_tokenizer()
+    log_dir = Path(tempfile.mkdtemp(prefix="engine-modes-"))
+    rounds = []
+    for repeat in range(args.repeats):
+        rounds.append({mode: run_mode(mode, args.server_args.split(), log_dir, tokenizer, seed=repeat)
+                       for mode in modes})
+        print(f"round {repeat + 1}: {json.dumps(rounds[-1])}", flush=True)
+    summary = summarize(rounds)
+    print(markdown(summary, len(rounds)))
+    if args.result_json:
+        args.result_json.write_text(json.dumps({"server_args": args.server_args, "rounds": rounds,
+                                                "summary": summary}, indent=1))
+    print(f"server logs: {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
