@@ -44,12 +44,6 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def cache_dir() -> str:
-    """Where the engine keeps what it builds once (converted GGUF folders, compiled kernels):
-    ``$PAGEDSERVE_CACHE_DIR``, default ``~/.cache/pagedserve``."""
-    return os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve"))
-
-
 def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "unit": unit, "choices": choices})
 

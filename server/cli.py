@@ -18,18 +18,18 @@ import asyncio
 import dataclasses
 import logging
 import logging.config
-import os
 import socket
 import sys
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
 import yaml
 from sse_starlette.sse import AppStatus
 
+from pagedserve.engine import envs
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.errors import EngineDeadError
@@ -39,7 +39,6 @@ from pagedserve.server.connections import GuardedH11Protocol
 from pagedserve.server.logging_config import log_config
 from pagedserve.server.replicas.settings import REPLICA_FIELDS, ReplicaSettings
 
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 #: After the drain timeout, how long the requests still running have to send their error and close.
 CUT_GRACE_S = 5.0
 logger = logging.getLogger(__name__)
@@ -133,17 +132,16 @@ def load_config_file(path: str) -> dict[str, Any]:
     return data
 
 
-def resolve_settings(args: argparse.Namespace,
-                     environ: Mapping[str, str] = os.environ) -> tuple[EngineArgs, ServerArgs]:
-    """Merge defaults, the environment, the ``--config`` file and flags (highest wins).
+def resolve_settings(args: argparse.Namespace) -> tuple[EngineArgs, ServerArgs]:
+    """Merge defaults, the environment (``PAGEDSERVE_API_KEY``), the ``--config`` file and flags (highest wins).
 
     Raises:
         ValueError: a bad config file or an invalid setting (naming it).
         OSError: the config file cannot be read.
     """
     settings: dict[str, Any] = {}
-    if environ.get(API_KEY_ENV):
-        settings["api_key"] = environ[API_KEY_ENV]
+    if envs.PAGEDSERVE_API_KEY is not None:
+        settings["api_key"] = envs.PAGEDSERVE_API_KEY
     if args.config:
         settings |= load_config_file(args.config)
     fields = _settings_fields()
@@ -226,8 +224,13 @@ def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     sock = _bind(server_args.host, server_args.port)
     try:
         # The engine core in a process of its own: it shares no interpreter with the HTTP server, and a fault
-        # that kills it (a segfault, the OOM killer) fails the requests in flight instead of the server.
-        loaded = AsyncLLM.load(engine_args, engine_process=True, log_config=log_config(server_args.log_format))
+        # that kills it (a segfault, the OOM killer) fails the requests in flight instead of the server. A
+        # thread instead only when asked, to compare the two.
+        engine_process = envs.PAGEDSERVE_ENABLE_MULTIPROCESSING
+        if not engine_process:
+            logger.info("the engine core runs on a thread of this process (PAGEDSERVE_ENABLE_MULTIPROCESSING=0)")
+        loaded = AsyncLLM.load(engine_args, engine_process=engine_process,
+                               log_config=log_config(server_args.log_format))
     except (ValueError, OSError, EngineDeadError) as err:
         sock.close()
         raise StartupError(str(err)) from err
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser(
         "serve", help="run the OpenAI-compatible server",
         description="Run the OpenAI-compatible server. Settings: flags > --config YAML > "
-                    f"{API_KEY_ENV} > defaults.")
+                    "PAGEDSERVE_API_KEY > defaults.")
     serve_parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                               help="model to serve (same as --model)")
     serve_parser.add_argument("--config", metavar="FILE.yaml", default=None,

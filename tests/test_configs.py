@@ -22,7 +22,7 @@ LEFT_OUT = {"api_key"}
 
 
 def parse_serve(*argv: str) -> tuple[EngineArgs, ServerArgs]:
-    return resolve_settings(build_parser().parse_args(["serve", *argv]), {})
+    return resolve_settings(build_parser().parse_args(["serve", *argv]))
 
 
 def key_comments(path: Path) -> dict[str, str]:

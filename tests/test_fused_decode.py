@@ -141,7 +141,7 @@ def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) 
     dense = tiny_model(tmp_path_factory, "llama", torch.float32, None)
     assert dense._fused_decoder(*random_step(dense, [3] * (MAX_DENSE_ROWS + 1))) is None
     # The switch off.
-    monkeypatch.setenv(fused_decode.ENV_FLAG, "0")
+    monkeypatch.setenv("PAGEDSERVE_FUSED_DECODE", "0")
     assert FusedDecoder.build(model) is None
 
 
