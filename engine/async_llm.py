@@ -43,9 +43,9 @@ from pagedserve.engine.core_client import (
     SnapshotKVCache,
     Stop,
 )
+from pagedserve.engine.engine_factory import load_engine, load_processor
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
-from pagedserve.engine.loading import load_engine, load_processor
 from pagedserve.engine.metrics.loggers import StatLogger
 from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind

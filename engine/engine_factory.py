@@ -38,10 +38,8 @@ def load_engine(args: EngineArgs) -> LoadedEngine:
 
 def load_engine_core(args: EngineArgs) -> EngineCore:
     """The engine core alone, with a grammar compiler of its own (the engine process's: its frontend has
-    another), as ``load_engine`` raises."""
-    config = EngineConfig.from_args(args)
-    grammars = GrammarCompiler(_tokenizer(config), config.model_config.vocab_size)
-    return EngineCore(config, structured_output_manager=GuidanceManager(grammars))
+    another), as ``load_engine`` raises. The input processor left over costs nothing: it loads nothing."""
+    return load_engine(args).engine_core
 
 
 def load_processor(config: EngineConfig) -> InputProcessor:
