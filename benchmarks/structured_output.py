@@ -485,10 +485,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_model_tokenizer(model: str) -> tuple[Any, int]:
     """The model's tokenizer and logits width, found as the engine finds them."""
-    from pagedserve.engine.config import EngineArgs, ModelConfig
+    from pagedserve.engine.config import EngineArgs
+    from pagedserve.engine.engine_factory import resolve_model_config
     from pagedserve.engine.model.loader import ModelSource, load_tokenizer
 
-    config = ModelConfig.from_args(EngineArgs(model=model))
+    config = resolve_model_config(EngineArgs(model=model))
     return load_tokenizer(ModelSource(config.path, None, config.served_model_name)), config.vocab_size
 
 

@@ -6,14 +6,15 @@ used by the CLI, the YAML loader and the README's configuration table.
 ``EngineConfig`` (vLLM's ``VllmConfig``) bundles what is resolved once from
 them and the model: the frontend, the engine core and the workers all read it.
 
-This module imports no torch: the scheduler side imports it.
+Data only: finding the model, converting a GGUF file and reading its files is
+``pagedserve.engine.engine_factory``'s job (``resolve_engine_config``). This
+module imports no torch: the scheduler side imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -233,7 +234,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model as the engine serves it, resolved once from ``EngineArgs``.
+    """The model as the engine serves it, resolved once from ``EngineArgs``
+    (``pagedserve.engine.engine_factory.resolve_model_config``).
 
     Attributes:
         path: a local HF folder (a GGUF file is converted to one once, see ``pagedserve.engine.model.loader``).
@@ -257,46 +259,14 @@ class ModelConfig:
     quantization: str | None = None
     gguf_path: str | None = None
 
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> ModelConfig:
-        """Find the model, convert a GGUF file once, read its config and generation defaults.
 
-        Raises:
-            ValueError: a model that cannot be found, ``max_model_len`` beyond the model's positions,
-                heads that do not split over ``tensor_parallel_size`` ranks, or a ``quantization`` the model
-                or its split cannot take.
-            OSError: model files that cannot be read, a cache that cannot be written.
-        """
-        # Imported here: they need torch and transformers, and the scheduler side imports this module.
-        from pagedserve.engine.generation_config import load_generation_defaults
-        from pagedserve.engine.model.loader import (
-            check_quantization,
-            check_tensor_parallel_split,
-            gguf_block_cache,
-            gguf_cache_folder,
-            load_hf_config,
-            resolve_model_path,
-        )
+def max_model_len_for(requested: int | None, hf_config: Any) -> int:
+    """The longest sequence served, in tokens: ``requested`` (``EngineArgs.max_model_len``), or the model's
+    ``max_position_embeddings`` when that is None.
 
-        model = resolve_model_path(args.model)
-        gguf = args.quantization == "gguf"
-        # With gguf the workers load the GGUF's blocks: the converted folder needs no dequantized weights.
-        source = gguf_cache_folder(model, with_weights=not gguf)
-        hf_config = load_hf_config(source)
-        if args.tensor_parallel_size > 1:
-            check_tensor_parallel_split(hf_config, args.tensor_parallel_size)
-        check_quantization(hf_config, args.quantization, model, args.tensor_parallel_size)
-        if gguf:
-            gguf_block_cache(model, hf_config)  # staged once here, not by every tensor-parallel rank at once
-        return cls(path=source.path, served_model_name=args.served_model_name or source.display_name,
-                   hf_config=hf_config, max_model_len=_max_model_len(args.max_model_len, hf_config),
-                   vocab_size=hf_config.vocab_size,
-                   generation_defaults=load_generation_defaults(source.path, args.generation_config),
-                   quantization=args.quantization,
-                   gguf_path=os.path.join(model.path, model.gguf_file) if gguf else None)
-
-
-def _max_model_len(requested: int | None, hf_config: Any) -> int:
+    Raises:
+        ValueError: ``requested`` beyond the model's positions, or neither set.
+    """
     model_max = getattr(hf_config, "max_position_embeddings", None)
     if requested is None:
         if model_max is None:
@@ -322,9 +292,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> EngineConfig:
-        """Resolve ``args`` against the model (see ``ModelConfig.from_args`` for the errors)."""
-        model_config = ModelConfig.from_args(args)
+    def for_model(cls, args: EngineArgs, model_config: ModelConfig) -> EngineConfig:
+        """The configuration of ``args`` for the model they name, resolved into ``model_config``
+        (``pagedserve.engine.engine_factory.resolve_engine_config`` does both)."""
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold),

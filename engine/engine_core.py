@@ -46,7 +46,7 @@ class EngineCore:
     """Owns the scheduler and the executor; sizes the KV cache between them.
 
     Args:
-        config: the engine's resolved configuration (``EngineConfig.from_args``);
+        config: the engine's resolved configuration (``engine_factory.resolve_engine_config``);
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
         executor_class: how to run the workers; None = ``Executor.get_class(config)``.
         drafter: proposes draft tokens for speculative decoding; None = the one

@@ -11,7 +11,8 @@ import logging
 import signal
 import time
 
-from pagedserve.engine.config import EngineArgs, ModelConfig
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.engine_factory import resolve_model_config
 from pagedserve.server.app import ServerArgs
 from pagedserve.server.cli import StartupError, _bind
 from pagedserve.server.replicas.settings import ReplicaSettings
@@ -57,7 +58,7 @@ def serve_replicas(engine_args: EngineArgs, server_args: ServerArgs, settings: R
     _bind(server_args.host, server_args.port).close()  # a port in use fails now, not in Ray's proxy
     try:
         # A bad model fails now, with its reason; and a GGUF is converted once, not by each replica at once.
-        ModelConfig.from_args(engine_args)
+        resolve_model_config(engine_args)
     except (ValueError, OSError) as err:
         raise StartupError(str(err)) from err
     try:
