@@ -10,7 +10,8 @@ import pytest
 
 from pagedserve.engine.config import EngineArgs, parse_size
 from pagedserve.server.app import ServerArgs
-from pagedserve.server.cli import build_parser, load_config_file, resolve_settings
+from pagedserve.server.cli import build_parser
+from pagedserve.server.cli_args import load_config_file, resolve_settings
 from pagedserve.server.config_table import SETTINGS_CLASSES, readme_table, render_config_table, shown_default
 
 ROOT = Path(__file__).resolve().parent.parent

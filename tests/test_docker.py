@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine.model import loader
-from pagedserve.server.cli import build_parser, resolve_settings
+from pagedserve.server.cli import build_parser
+from pagedserve.server.cli_args import resolve_settings
 
 pytestmark = pytest.mark.infra
 

@@ -12,7 +12,8 @@ import pytest
 from pagedserve.engine.config import EngineArgs, SpeculativeConfig
 from pagedserve.engine.core import ngram_proposer
 from pagedserve.engine.core.ngram_proposer import NgramProposer
-from pagedserve.server.cli import build_parser, main, resolve_settings
+from pagedserve.server.cli import build_parser, main
+from pagedserve.server.cli_args import resolve_settings
 
 
 def naive_propose(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

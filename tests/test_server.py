@@ -22,7 +22,8 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.app import ServerArgs
-from pagedserve.server.cli import build_parser, main, resolve_settings
+from pagedserve.server.cli import build_parser, main
+from pagedserve.server.cli_args import resolve_settings
 from tests.conftest import Served, cli_server, engine_step_fault, free_port, sse_payloads
 
 GREEDY = {"temperature": 0.0}
