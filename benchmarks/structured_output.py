@@ -53,8 +53,8 @@ from pydantic import BaseModel, Field
 from benchmarks.roofline import cpu_model, num_threads
 from benchmarks.run_all import HOST, WARMUP_SEED, ServerProcess, free_port
 from pagedserve.server.bench.dataset import SyntheticRequest, Tokenizer, parse_len_range, sample_requests
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics
 from pagedserve.server.bench.serve import ServeOptions, api_root, benchmark, fetch_first_model
+from pagedserve.server.bench.summary import RequestResult, compute_metrics
 
 TPOT_OVERHEAD_GOAL = 0.10
 COMPILE_P50_GOAL_MS = 50.0

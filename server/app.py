@@ -42,8 +42,8 @@ from pagedserve.server.errors import (
     model_not_found,
 )
 from pagedserve.server.logging_config import LOG_FORMATS
-from pagedserve.server.metrics import engine_stats
-from pagedserve.server.metrics import router as metrics_router
+from pagedserve.server.metrics_route import engine_stats
+from pagedserve.server.metrics_route import router as metrics_router
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from benchmarks.roofline import decode_bandwidth_bound_s, model_flops_utilisation
 from pagedserve.server.bench import serve
 from pagedserve.server.bench.dataset import SyntheticRequest, parse_len_range, sample_requests
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
+from pagedserve.server.bench.summary import RequestResult, compute_metrics, result_from_timestamps
 
 FAKE_TOKENS = ["alpha", "beta", "gamma", "delta", "epsilon"]  # streamed one per chunk
 FAKE_PROMPT_TOKENS = 7
