@@ -348,3 +348,13 @@ def test_rss_counts_the_server_and_its_children(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_benchmarks_import_nothing_from_the_tests() -> None:
+    """Tests may use the benchmarks' helpers (tiny models, step metadata), never the other way round: a
+    benchmark does not depend on the test suite."""
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    importers = [str(path.relative_to(benchmarks)) for path in sorted(benchmarks.rglob("*.py"))
+                 if any(line.lstrip().startswith(("from tests", "import tests"))
+                        for line in path.read_text().splitlines())]
+    assert importers == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.engine_factory import resolve_engine_config
@@ -12,7 +13,7 @@ from pagedserve.engine.model.loader import load_hf_config, load_model, resolve_m
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.worker import profile_forward, resolve_device
-from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+from tests.model_fixtures import embedded_gguf_path
 
 
 def make_core(**engine_args) -> EngineCore:

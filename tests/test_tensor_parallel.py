@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine.config import EngineArgs, EngineConfig
 from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.engine_factory import resolve_engine_config
@@ -34,7 +35,6 @@ from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import TEST_ENGINE_ARGS, Served, cli_server
-from tests.model_fixtures import tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
