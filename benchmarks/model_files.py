@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.engine.config import cache_dir
+from pagedserve.engine import envs
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EMBEDDING_TENSOR = "token_embd.weight"
@@ -79,7 +79,7 @@ def requantized_gguf(fmt: str, llama_quantize: str, source: Path | None = None) 
         subprocess.CalledProcessError: ``llama-quantize`` failed (its output is in the exception).
     """
     source = source or default_gguf_path()
-    folder = Path(cache_dir()) / "bench-gguf"
+    folder = Path(envs.PAGEDSERVE_CACHE_DIR) / "bench-gguf"
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{source.name.split('.')[0]}.{fmt}.gguf"
     if not target.is_file():

@@ -17,9 +17,9 @@ import time
 
 import torch
 
+from benchmarks.step_metadata import make_metadata
 from pagedserve.engine.worker.sampler import Sampler
 from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
-from tests.sampling_fixtures import make_metadata
 
 BATCH_SIZE = 64
 VOCAB_SIZE = 49_152

@@ -20,7 +20,7 @@ with ``--speculative-config``) are loaded once, without prefix caching so that e
 alike, and warmed up; each scenario runs on one, then the other, ``--repeats`` times. Reported: the
 medians of each engine's runs, and the median of the ratios of the paired runs (one on each engine,
 back to back), which drifts less with the load of a shared machine than the ratio of the medians.
-Per run: output tokens/s, TPOT p50 (``pagedserve.server.bench.metrics``), and from the engine's counters the
+Per run: output tokens/s, TPOT p50 (``pagedserve.server.bench.summary``), and from the engine's counters the
 acceptance rate (accepted / drafted tokens) and the mean acceptance length (1 + accepted / drafts:
 tokens per request step that verified drafts), and the two costs speculation adds whether or not it
 pays: the share of the run's time spent in the drafter's lookups (timed around ``propose``) and the
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.server.bench.dataset import sample_requests
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
+from pagedserve.server.bench.summary import RequestResult, compute_metrics, result_from_timestamps
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}

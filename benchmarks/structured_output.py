@@ -53,8 +53,8 @@ from pydantic import BaseModel, Field
 from benchmarks.roofline import cpu_model, num_threads
 from benchmarks.run_all import HOST, WARMUP_SEED, ServerProcess, free_port
 from pagedserve.server.bench.dataset import SyntheticRequest, Tokenizer, parse_len_range, sample_requests
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics
 from pagedserve.server.bench.serve import ServeOptions, api_root, benchmark, fetch_first_model
+from pagedserve.server.bench.summary import RequestResult, compute_metrics
 
 TPOT_OVERHEAD_GOAL = 0.10
 COMPILE_P50_GOAL_MS = 50.0
@@ -485,10 +485,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_model_tokenizer(model: str) -> tuple[Any, int]:
     """The model's tokenizer and logits width, found as the engine finds them."""
-    from pagedserve.engine.config import EngineArgs, ModelConfig
+    from pagedserve.engine.config import EngineArgs
+    from pagedserve.engine.engine_factory import resolve_model_config
     from pagedserve.engine.model.loader import ModelSource, load_tokenizer
 
-    config = ModelConfig.from_args(EngineArgs(model=model))
+    config = resolve_model_config(EngineArgs(model=model))
     return load_tokenizer(ModelSource(config.path, None, config.served_model_name)), config.vocab_size
 
 

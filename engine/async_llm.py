@@ -43,9 +43,9 @@ from pagedserve.engine.core_client import (
     SnapshotKVCache,
     Stop,
 )
+from pagedserve.engine.engine_factory import load_engine, load_processor
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
-from pagedserve.engine.loading import load_engine, load_processor
 from pagedserve.engine.metrics.loggers import StatLogger
 from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -170,10 +170,10 @@ class AsyncLLM:
         client.start(self, record_steps=self.step_records is not None)
 
     @classmethod
-    async def create(cls, args: EngineArgs, engine_process: bool = False) -> AsyncLLM:
-        """Load the model (in a worker thread, so the loop stays responsive) and start the engine core
-        (``load``)."""
-        loaded = await asyncio.to_thread(cls.load, args, engine_process)
+    async def create(cls, args: EngineArgs) -> AsyncLLM:
+        """Load the model (in a worker thread, so the loop stays responsive) and start the engine core on a
+        thread of this process (``load``)."""
+        loaded = await asyncio.to_thread(cls.load, args)
         return cls(*loaded, asyncio.get_running_loop())
 
     @staticmethod

@@ -6,14 +6,15 @@ used by the CLI, the YAML loader and the README's configuration table.
 ``EngineConfig`` (vLLM's ``VllmConfig``) bundles what is resolved once from
 them and the model: the frontend, the engine core and the workers all read it.
 
-This module imports no torch: the scheduler side imports it.
+Data only: finding the model, converting a GGUF file and reading its files is
+``pagedserve.engine.engine_factory``'s job (``resolve_engine_config``). This
+module imports no torch: the scheduler side imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,81 +45,87 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def cache_dir() -> str:
-    """Where the engine keeps what it builds once (converted GGUF folders, compiled kernels):
-    ``$PAGEDSERVE_CACHE_DIR``, default ``~/.cache/pagedserve``."""
-    return os.path.expanduser(os.environ.get("PAGEDSERVE_CACHE_DIR", "~/.cache/pagedserve"))
+def setting(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
+    """A dataclass field for a setting, whose metadata the CLI's flags and ``--help``, the YAML loader and the
+    README's configuration table read (``pagedserve.server.config_table``).
 
-
-def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "unit": unit, "choices": choices})
+    Args:
+        default: the value when nobody sets it; a list is copied for each instance.
+        help: one line on what it does, and what an empty value means.
+        unit: what its number counts (``tokens``, ``bytes``, ``seconds``); empty for none.
+        choices: the values it accepts, None (unset) included where allowed; None = any value of its type.
+    """
+    metadata = {"help": help, "unit": unit, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineArgs:
     """Every knob of the engine. See the README's configuration table."""
 
-    model: str | None = _arg(
+    model: str | None = setting(
         None, "Local HF folder, .gguf file or hub id; empty = the embedded SmolLM2-135M-Instruct")
-    served_model_name: str | None = _arg(
+    served_model_name: str | None = setting(
         None, "Model name reported by /v1/models and accepted in requests; empty = derived from model")
-    dtype: str = _arg(
+    dtype: str = setting(
         "auto", "Weight and activation dtype; auto = float32 on CPU, bfloat16 on CUDA",
         choices=("auto", "float32", "bfloat16", "float16"))
-    quantization: str | None = _arg(
+    quantization: str | None = setting(
         None, "Weight quantization: gguf = keep a GGUF model's Q4_0/Q4_1/Q8_0 blocks as stored; int8 = int8 per "
         "output channel, int4 = 4-bit groups of 32, both made at load from any model (LM head left in dtype); "
         "empty = the weights in dtype", choices=(None, "gguf", "int8", "int4"))
-    device: str = _arg("auto", "Where the model runs; auto = CUDA when available",
-                       choices=("auto", "cpu", "cuda"))
-    seed: int = _arg(0, "Seed for the random sampling of requests that set no seed")
-    max_model_len: int | None = _arg(
+    device: str = setting("auto", "Where the model runs; auto = CUDA when available",
+                          choices=("auto", "cpu", "cuda"))
+    seed: int = setting(0, "Seed for the random sampling of requests that set no seed")
+    max_model_len: int | None = setting(
         None, "Longest sequence (prompt + output); empty = the model's max_position_embeddings", "tokens")
-    max_num_seqs: int = _arg(64, "Most requests running in one step", "requests")
-    max_num_batched_tokens: int = _arg(2048, "Token budget of one engine step; at least max_num_seqs", "tokens")
-    block_size: int = _arg(16, "Tokens per KV cache block", "tokens")
-    enable_prefix_caching: bool = _arg(True, "Reuse KV blocks of identical prompt prefixes")
-    long_prefill_token_threshold: int = _arg(
+    max_num_seqs: int = setting(64, "Most requests running in one step", "requests")
+    max_num_batched_tokens: int = setting(2048, "Token budget of one engine step; at least max_num_seqs", "tokens")
+    block_size: int = setting(16, "Tokens per KV cache block", "tokens")
+    enable_prefix_caching: bool = setting(True, "Reuse KV blocks of identical prompt prefixes")
+    long_prefill_token_threshold: int = setting(
         0, "Longest prefill chunk of one request per step; 0 = only the step budget limits it", "tokens")
-    num_gpu_blocks_override: int | None = _arg(
+    num_gpu_blocks_override: int | None = setting(
         None, "Fixed number of KV cache blocks (any device); empty = sized from memory", "blocks")
-    gpu_memory_utilization: float = _arg(
+    gpu_memory_utilization: float = setting(
         0.9, "Fraction of GPU memory the engine may use (weights, activations, KV cache)", "fraction")
-    kv_cache_memory_bytes: int | str | None = _arg(
+    kv_cache_memory_bytes: int | str | None = setting(
         None, "KV cache size (e.g. 2GiB); empty = on CPU 2GiB or half the memory left after loading the weights "
         "(cgroup limit included) when that is less, on CUDA from gpu_memory_utilization", "bytes")
-    attention_backend: str = _arg(
+    attention_backend: str = setting(
         "auto", "Paged attention implementation: auto = cpu on CPU, triton on CUDA; cpu = C kernels for decodes "
         "and prefill chunks (CPU only); triton = Triton kernels (CUDA only); torch = the plain torch reference "
         "(either)",
         choices=("auto", "cpu", "torch", "triton"))
-    enforce_eager: bool = _arg(False, "Disable CUDA graphs")
-    cpu_reserved_cores: int | None = _arg(
+    enforce_eager: bool = setting(False, "Disable CUDA graphs")
+    cpu_reserved_cores: int | None = setting(
         None, "CPU cores that small steps (at most 4 tokens: decoding a few requests) leave to the HTTP frontend, "
         "so that its per-token work does not preempt a kernel's threads between their barriers; larger steps use "
         "every thread. No change when the torch threads already leave them free, or with tensor parallelism. "
         "Empty = 1 when serving HTTP (AsyncLLM), 0 offline (LLM)", "cores")
-    tensor_parallel_size: int = _arg(
+    tensor_parallel_size: int = setting(
         1, "Processes the weights are split over (Megatron-style tensor parallelism): one per GPU on CUDA "
         "(NCCL), a share of the cores each on CPU (gloo); KV cache sizes are per process", "processes")
-    max_logprobs: int = _arg(20, "Most logprobs a request may ask for per token", "tokens")
-    generation_config: str = _arg(
+    max_logprobs: int = setting(20, "Most logprobs a request may ask for per token", "tokens")
+    generation_config: str = setting(
         "auto", "Defaults for the sampling fields a request leaves unset: auto = the model's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
         "max_tokens), vllm or none = the engine's own, or a folder holding a generation_config.json")
-    max_waiting_requests: int = _arg(
+    max_waiting_requests: int = setting(
         1024, "Waiting-queue length above which new requests get HTTP 429", "requests")
-    max_stream_backlog_tokens: int = _arg(
+    max_stream_backlog_tokens: int = setting(
         16384, "Most output tokens a request may hold that its client has not read (all its choices together); a "
         "client further behind (one that stopped reading its stream) has its request aborted, freeing its KV "
         "blocks and memory", "tokens")
-    step_record_buffer_size: int = _arg(
+    step_record_buffer_size: int = setting(
         2048, "Step records kept for the dashboard (/dashboard, /v1/dashboard/*); 0 = no records", "steps")
-    speculative_config: dict | str | None = _arg(
+    speculative_config: dict | str | None = setting(
         None, "Speculative decoding as a JSON object (a mapping in YAML) with vLLM's keys: method (ngram = "
         "prompt lookup), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (default 5 each), "
         "disable_by_batch_size; empty = off")
-    async_scheduling: bool = _arg(
+    async_scheduling: bool = setting(
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
         "scheduler's and the output path's time behind the forward pass. Not with speculative_config")
@@ -249,7 +256,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model as the engine serves it, resolved once from ``EngineArgs``.
+    """The model as the engine serves it, resolved once from ``EngineArgs``
+    (``pagedserve.engine.engine_factory.resolve_model_config``).
 
     Attributes:
         path: a local HF folder (a GGUF file is converted to one once, see ``pagedserve.engine.model.loader``).
@@ -273,46 +281,14 @@ class ModelConfig:
     quantization: str | None = None
     gguf_path: str | None = None
 
-    @classmethod
-    def from_args(cls, args: EngineArgs) -> ModelConfig:
-        """Find the model, convert a GGUF file once, read its config and generation defaults.
 
-        Raises:
-            ValueError: a model that cannot be found, ``max_model_len`` beyond the model's positions,
-                heads that do not split over ``tensor_parallel_size`` ranks, or a ``quantization`` the model
-                or its split cannot take.
-            OSError: model files that cannot be read, a cache that cannot be written.
-        """
-        # Imported here: they need torch and transformers, and the scheduler side imports this module.
-        from pagedserve.engine.generation_config import load_generation_defaults
-        from pagedserve.engine.model.loader import (
-            check_quantization,
-            check_tensor_parallel_split,
-            gguf_block_cache,
-            gguf_cache_folder,
-            load_hf_config,
-            resolve_model_path,
-        )
+def max_model_len_for(requested: int | None, hf_config: Any) -> int:
+    """The longest sequence served, in tokens: ``requested`` (``EngineArgs.max_model_len``), or the model's
+    ``max_position_embeddings`` when that is None.
 
-        model = resolve_model_path(args.model)
-        gguf = args.quantization == "gguf"
-        # With gguf the workers load the GGUF's blocks: the converted folder needs no dequantized weights.
-        source = gguf_cache_folder(model, with_weights=not gguf)
-        hf_config = load_hf_config(source)
-        if args.tensor_parallel_size > 1:
-            check_tensor_parallel_split(hf_config, args.tensor_parallel_size)
-        check_quantization(hf_config, args.quantization, model, args.tensor_parallel_size)
-        if gguf:
-            gguf_block_cache(model, hf_config)  # staged once here, not by every tensor-parallel rank at once
-        return cls(path=source.path, served_model_name=args.served_model_name or source.display_name,
-                   hf_config=hf_config, max_model_len=_max_model_len(args.max_model_len, hf_config),
-                   vocab_size=hf_config.vocab_size,
-                   generation_defaults=load_generation_defaults(source.path, args.generation_config),
-                   quantization=args.quantization,
-                   gguf_path=os.path.join(model.path, model.gguf_file) if gguf else None)
-
-
-def _max_model_len(requested: int | None, hf_config: Any) -> int:
+    Raises:
+        ValueError: ``requested`` beyond the model's positions, or neither set.
+    """
     model_max = getattr(hf_config, "max_position_embeddings", None)
     if requested is None:
         if model_max is None:
@@ -338,9 +314,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> EngineConfig:
-        """Resolve ``args`` against the model (see ``ModelConfig.from_args`` for the errors)."""
-        model_config = ModelConfig.from_args(args)
+    def for_model(cls, args: EngineArgs, model_config: ModelConfig) -> EngineConfig:
+        """The configuration of ``args`` for the model they name, resolved into ``model_config``
+        (``pagedserve.engine.engine_factory.resolve_engine_config`` does both)."""
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold,

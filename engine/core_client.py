@@ -395,7 +395,7 @@ def _engine_process_main(args: EngineArgs, conn: Connection, log_config: dict[st
     if log_config is not None:
         logging.config.dictConfig(log_config)
     try:
-        from pagedserve.engine.loading import load_engine_core  # the model code loads in the child only
+        from pagedserve.engine.engine_factory import load_engine_core  # the model code loads in the child only
 
         core = load_engine_core(args)
     except BaseException as exc:  # noqa: BLE001 - the parent raises it

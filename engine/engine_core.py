@@ -1,15 +1,19 @@
-"""``EngineCore``: the scheduler and an executor joined into one step function.
+"""``EngineCore``: the step loop that joins the scheduler and the executor (vLLM's ``EngineCore``).
 
-docs/architecture.md, "One engine step", walks through it.
+The package beside it, ``pagedserve.engine.core``, is the scheduler side, with no torch (vLLM's
+``v1/core``); this module drives it. docs/architecture.md, "One engine step", walks through the step.
 
 ``step()`` is, as in vLLM V1: ``schedule()`` -> ``execute_model()`` (forward,
 logits kept) -> the step's grammar bitmask -> ``sample_tokens()`` ->
 ``update_from_output()``. With async scheduling (``EngineArgs.async_scheduling``) the executor's calls
 run on a worker thread, and ``step()`` plans step N + 1 and starts its forward pass before it takes step
 N's tokens: the scheduler, the grammars and the output path then work while the model runs. The caller
-(``LLM`` or ``AsyncLLM``'s engine thread) applies new requests and aborts between steps. The core
-touches no device: the executor does. Its only torch import is ``pagedserve.engine.profiling``'s
-regions, which time the step's phases.
+(``LLM``, or the engine loop of ``pagedserve.engine.core_client``) applies new requests and aborts between
+steps. The core makes no tensor itself: it reaches the model through its executor, which it builds. Its
+process still runs the model with one rank (``UniProcExecutor`` calls the worker directly, on the
+engine's thread or its worker thread); with tensor parallelism the workers are processes of their own.
+This module imports torch only through ``pagedserve.engine.profiling``'s regions, which time the step's
+phases; the executor's modules import it when the executor is built.
 
 A fault in one request's own data (its worker state, its row's inputs, its sampling, the
 scheduler's accounting of its tokens) fails that request alone: it ends with ``FinishReason.ERROR``
@@ -29,11 +33,11 @@ from typing import Any
 
 from pagedserve.engine.config import EngineConfig, SpeculativeConfig
 from pagedserve.engine.core.draft_proposer import DraftProposer
+from pagedserve.engine.core.grammar_protocol import StructuredOutputManager
 from pagedserve.engine.core.ngram_proposer import NgramProposer
 from pagedserve.engine.core.scheduler import Scheduler, SchedulerStats
 from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from pagedserve.engine.core.spec_decode import DraftGate
-from pagedserve.engine.core.structured_output import StructuredOutputManager
 from pagedserve.engine.executor.abstract import Executor
 from pagedserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.engine.profiling import region
@@ -68,7 +72,7 @@ class EngineCore:
     """Owns the scheduler and the executor; sizes the KV cache between them.
 
     Args:
-        config: the engine's resolved configuration (``EngineConfig.from_args``);
+        config: the engine's resolved configuration (``engine_factory.resolve_engine_config``);
             ``self.config`` is the same with ``cache_config.num_blocks`` filled in.
         executor_class: how to run the workers; None = ``Executor.get_class(config)``.
         drafter: proposes draft tokens for speculative decoding; None = the one

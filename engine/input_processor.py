@@ -122,8 +122,8 @@ class ProcessedRequest:
 class InputProcessor:
     """Tokenizes prompts, renders chat messages and checks requests against the engine's limits.
 
-    Loads nothing (``pagedserve.engine.loading.load_engine`` loads the tokenizer). Thread-safe (reads only immutable
-    state; the grammar compiler is thread-safe).
+    Loads nothing (``pagedserve.engine.engine_factory.load_engine`` loads the tokenizer). Thread-safe (reads only
+    immutable state; the grammar compiler is thread-safe).
 
     Args:
         model_config: the served model (context length, vocabulary, generation defaults).

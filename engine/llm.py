@@ -10,8 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.engine_factory import load_engine
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
-from pagedserve.engine.loading import load_engine
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams

@@ -33,7 +33,7 @@ def scheduled_requests(scheduler: Scheduler, scheduler_output: SchedulerOutput) 
     ``num_computed_tokens`` already advanced past this step's tokens)."""
     new_ids = {new.req_id for new in scheduler_output.scheduled_new_reqs}
     resumed_ids = scheduler_output.scheduled_cached_reqs.resumed_req_ids
-    req_to_blocks = scheduler.kv_cache_manager.req_to_blocks
+    kv = scheduler.kv_cache_manager
     entries = []
     for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
         request = scheduler.requests[req_id]
@@ -43,7 +43,7 @@ def scheduled_requests(scheduler: Scheduler, scheduler_output: SchedulerOutput) 
         phase = "prefill" if computed < max(request.num_prompt_tokens, request.num_tokens - 1) else "decode"
         entry = {"id": req_id, "kind": kind, "phase": phase,
                  "tokens": num_tokens, "computed": computed, "prompt_tokens": request.num_prompt_tokens,
-                 "blocks": len(req_to_blocks.get(req_id, ())), "cached_tokens": max(request.num_cached_tokens, 0),
+                 "blocks": kv.num_blocks_of(req_id), "cached_tokens": max(request.num_cached_tokens, 0),
                  "samples": request.num_computed_tokens >= request.num_tokens}
         if kind == "new":
             entry["arrival_time"] = request.arrival_time
@@ -66,8 +66,6 @@ def make_step_record(step: int, durations_s: dict[str, float], scheduler: Schedu
         aborted: requests finished from outside a step since the previous record: ``(id, reason,
             output tokens)``; reason ``stop`` for a stop string the frontend found, else ``abort``.
     """
-    pool = scheduler.kv_cache_manager.block_pool
-    num_free = pool.get_num_free_blocks()
     output_tokens = {request.request_id: request.num_output_tokens for request, _ in requests}
     new_tokens = {output.request_id: len(output.new_token_ids) for output in outputs}
     for _, entry in requests:
@@ -85,8 +83,7 @@ def make_step_record(step: int, durations_s: dict[str, float], scheduler: Schedu
         "max_num_batched_tokens": scheduler.config.max_num_batched_tokens,
         "num_running": len(scheduler.running),
         "num_waiting": len(scheduler.waiting),
-        "kv_blocks": {"used": pool.num_usable_blocks - num_free, "cached_free": pool.num_cached_free_blocks,
-                      "free": num_free - pool.num_cached_free_blocks, "total": pool.num_usable_blocks},
+        "kv_blocks": scheduler.kv_cache_manager.block_pool.block_counts()._asdict(),
         "requests": [entry for _, entry in requests],
         "preempted": sorted(scheduler_output.preempted_req_ids),
         "finished": finished,
@@ -96,18 +93,12 @@ def make_step_record(step: int, durations_s: dict[str, float], scheduler: Schedu
 def kv_cache_snapshot(scheduler: Scheduler, step: int) -> dict[str, Any]:
     """Every KV block's state, owners and sharing (``docs/dashboard.md``); scans the whole pool."""
     kv = scheduler.kv_cache_manager
-    states = []
-    for block in kv.block_pool.blocks:
-        if block.block_id == 0:
-            states.append(NULL_BLOCK)
-        elif block.ref_cnt > 0:
-            states.append(USED_BLOCK)
-        else:
-            states.append(FREE_BLOCK if block.block_hash is None else CACHED_FREE_BLOCK)
-    owners = {req_id: [block.block_id for block in blocks] for req_id, blocks in kv.req_to_blocks.items() if blocks}
-    shared = {str(block.block_id): block.ref_cnt for block in kv.block_pool.blocks[1:] if block.ref_cnt > 1}
-    return {"step": step, "block_size": kv.block_size, "num_blocks": kv.block_pool.num_blocks,
-            "states": "".join(states), "owners": owners, "shared": shared}
+    blocks = kv.block_pool.block_states()
+    states = [NULL_BLOCK] + [USED_BLOCK if ref_cnt > 0 else CACHED_FREE_BLOCK if cached else FREE_BLOCK
+                             for ref_cnt, cached in blocks[1:]]
+    shared = {str(block_id): ref_cnt for block_id, (ref_cnt, _) in enumerate(blocks) if block_id and ref_cnt > 1}
+    return {"step": step, "block_size": kv.block_size, "num_blocks": len(blocks),
+            "states": "".join(states), "owners": kv.block_ids_by_request(), "shared": shared}
 
 
 class StepRecordBuffer:

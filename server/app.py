@@ -13,7 +13,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any
 
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve import __version__
 from pagedserve.engine.async_llm import AsyncLLM, LoadedClient
-from pagedserve.engine.config import EngineArgs, parse_size
+from pagedserve.engine.config import EngineArgs, parse_size, setting
 from pagedserve.server.chat import create_chat_completion
 from pagedserve.server.completions import create_completion
 from pagedserve.server.dashboard import router as dashboard_router
@@ -42,8 +42,8 @@ from pagedserve.server.errors import (
     model_not_found,
 )
 from pagedserve.server.logging_config import LOG_FORMATS
-from pagedserve.server.metrics import engine_stats
-from pagedserve.server.metrics import router as metrics_router
+from pagedserve.server.metrics_route import engine_stats
+from pagedserve.server.metrics_route import router as metrics_router
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,39 +66,31 @@ from pagedserve.server.tool_calling.prompt import render_inputs
 logger = logging.getLogger(__name__)
 
 
-def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
-    """A field with the CLI's metadata, as in ``EngineArgs``; list defaults are copied per instance."""
-    metadata = {"help": help, "unit": unit, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
 @dataclass
 class ServerArgs:
     """The HTTP server's settings (the engine's are ``EngineArgs``)."""
 
-    host: str = _arg("127.0.0.1", "Address to listen on; 0.0.0.0 for every interface")
-    port: int = _arg(8000, "TCP port to listen on")
-    api_key: str | None = _arg(
+    host: str = setting("127.0.0.1", "Address to listen on; 0.0.0.0 for every interface")
+    port: int = setting(8000, "TCP port to listen on")
+    api_key: str | None = setting(
         None, "Require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize; "
         "empty = open (env PAGEDSERVE_API_KEY)")
-    allowed_origins: list[str] = _arg(
+    allowed_origins: list[str] = setting(
         [], "Origins allowed to call the API from a browser (CORS), '*' for any; empty = CORS off")
-    max_request_body_bytes: int | str = _arg("16MiB", "Largest request body accepted (HTTP 413 above)",
-                                             "bytes")
-    shutdown_timeout: float = _arg(
+    max_request_body_bytes: int | str = setting("16MiB", "Largest request body accepted (HTTP 413 above)",
+                                                "bytes")
+    shutdown_timeout: float = setting(
         30.0, "On SIGINT/SIGTERM, how long in-flight requests may run before they are aborted", "seconds")
-    log_format: str = _arg("text", "Log lines as readable text or as JSON objects (ours and uvicorn's)",
-                           choices=LOG_FORMATS)
-    access_log: bool = _arg(False, "Log one line per HTTP request")
-    log_stats_interval_s: float = _arg(
+    log_format: str = setting("text", "Log lines as readable text or as JSON objects (ours and uvicorn's)",
+                              choices=LOG_FORMATS)
+    access_log: bool = setting(False, "Log one line per HTTP request")
+    log_stats_interval_s: float = setting(
         5.0, "While the engine is busy, log throughput, queue, KV cache and prefix-cache stats this often; "
         "0 = off", "seconds")
-    disable_fastapi_docs: bool = _arg(
+    disable_fastapi_docs: bool = setting(
         False, "Serve no /docs, /redoc nor /openapi.json; they stay open otherwise, api_key or not, as in "
         "vLLM (they describe the API, not its data)")
-    tool_call_parser: str = _arg(
+    tool_call_parser: str = setting(
         "auto", "How the model writes tool calls, for chat requests with tools; auto = the format its chat "
         "template shows, else hermes (<tool_call> JSON </tool_call>)", choices=TOOL_PARSER_CHOICES)
 

@@ -111,7 +111,7 @@ class ServerLoop:
 @pytest.fixture(scope="session")
 def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random-weight Llama (vocabulary 256, untied head) saved as an HF folder, without a tokenizer."""
-    from tests.model_fixtures import tiny_hf_model
+    from benchmarks.tiny_models import tiny_hf_model
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     tiny_hf_model("llama", folder, tie_word_embeddings=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.step_metadata import build_metadata
 from pagedserve.engine.model.attention import (
     AttentionMetadata,
     attention_backends_for,
@@ -14,7 +15,6 @@ from pagedserve.engine.model.attention import (
     get_attention_backend,
 )
 from pagedserve.engine.model.torch_attention import TorchAttentionBackend
-from tests.model_fixtures import build_metadata
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 32

@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from matplotlib.image import imread
 
 from pagedserve.server.bench import plots, serve
-from pagedserve.server.bench.metrics import compute_metrics, result_from_timestamps
 from pagedserve.server.bench.serve import TimedResult
+from pagedserve.server.bench.summary import compute_metrics, result_from_timestamps
 from tests.test_benchmarks import WordTokenizer, fake_app, fake_server  # noqa: F401 (fixtures)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

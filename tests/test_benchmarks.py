@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from benchmarks.roofline import decode_bandwidth_bound_s, model_flops_utilisation
 from pagedserve.server.bench import serve
 from pagedserve.server.bench.dataset import SyntheticRequest, parse_len_range, sample_requests
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics, result_from_timestamps
+from pagedserve.server.bench.summary import RequestResult, compute_metrics, result_from_timestamps
 
 FAKE_TOKENS = ["alpha", "beta", "gamma", "delta", "epsilon"]  # streamed one per chunk
 FAKE_PROMPT_TOKENS = 7
@@ -348,3 +348,13 @@ def test_rss_counts_the_server_and_its_children(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_benchmarks_import_nothing_from_the_tests() -> None:
+    """Tests may use the benchmarks' helpers (tiny models, step metadata), never the other way round: a
+    benchmark does not depend on the test suite."""
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    importers = [str(path.relative_to(benchmarks)) for path in sorted(benchmarks.rglob("*.py"))
+                 if any(line.lstrip().startswith(("from tests", "import tests"))
+                        for line in path.read_text().splitlines())]
+    assert importers == []

@@ -10,7 +10,8 @@ import pytest
 
 from pagedserve.engine.config import EngineArgs, parse_size
 from pagedserve.server.app import ServerArgs
-from pagedserve.server.cli import build_parser, load_config_file, resolve_settings
+from pagedserve.server.cli import build_parser
+from pagedserve.server.cli_args import load_config_file, resolve_settings
 from pagedserve.server.config_table import SETTINGS_CLASSES, readme_table, render_config_table, shown_default
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ LEFT_OUT = {"api_key"}
 
 
 def parse_serve(*argv: str) -> tuple[EngineArgs, ServerArgs]:
-    return resolve_settings(build_parser().parse_args(["serve", *argv]), {})
+    return resolve_settings(build_parser().parse_args(["serve", *argv]))
 
 
 def key_comments(path: Path) -> dict[str, str]:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.engine.model import loader
-from pagedserve.server.cli import build_parser, resolve_settings
+from pagedserve.server.cli import build_parser
+from pagedserve.server.cli_args import resolve_settings
 
 pytestmark = pytest.mark.infra
 
@@ -102,7 +103,7 @@ def image_settings(device: str, arguments: list[str], tmp_path: Path, **environm
     assert command[0] == "serve"
     # The image's configs/ are this repository's.
     command = [c.replace(f"{IMAGE_WORKDIR}/configs/", f"{ROOT}/configs/") for c in command]
-    engine_args, server_args = resolve_settings(build_parser().parse_args(command), {})
+    engine_args, server_args = resolve_settings(build_parser().parse_args(command))
     return engine_args, server_args, command
 
 

@@ -5,17 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.config import EngineArgs, EngineConfig
+from benchmarks.tiny_models import tiny_hf_model
+from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.model.loader import load_hf_config, load_model, resolve_model_path
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.worker import profile_forward, resolve_device
-from tests.model_fixtures import embedded_gguf_path, tiny_hf_model
+from tests.model_fixtures import embedded_gguf_path
 
 
 def make_core(**engine_args) -> EngineCore:
-    return EngineCore(EngineConfig.from_args(EngineArgs(**engine_args)))
+    return EngineCore(resolve_engine_config(EngineArgs(**engine_args)))
 
 
 def add(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:

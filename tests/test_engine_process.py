@@ -49,6 +49,18 @@ def test_the_engine_core_runs_in_a_child_process_and_serves(tmp_path: Path) -> N
     assert not Path(f"/proc/{pid}").exists()
 
 
+def test_with_multiprocessing_off_the_engine_core_runs_in_the_server_s_process(tmp_path: Path) -> None:
+    with cli_server(tmp_path, *ARGS, env={"PAGEDSERVE_ENABLE_MULTIPROCESSING": "0"}) as (url, process):
+        body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200 and "Paris" in response.json()["choices"][0]["text"]
+        children = [pid for task in Path(f"/proc/{process.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        assert children == []
+        log = (tmp_path / "server.log").read_text()
+        assert "engine core runs on a thread of this process" in log and "engine core running in process" not in log
+
+
 def test_a_signal_for_the_server_s_process_group_does_not_kill_the_engine(tmp_path: Path) -> None:
     """Ctrl-C in a terminal reaches the whole foreground process group: the engine must outlive it, so that
     the server can drain its requests and then stop the engine."""

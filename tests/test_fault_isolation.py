@@ -17,10 +17,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedserve.engine.async_llm import AsyncLLM
-from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core_client import InprocClient
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.errors import RequestFailedError
 from pagedserve.engine.input_processor import InputProcessor
 from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
@@ -44,7 +45,7 @@ MARKER = {5: 0.0}
 
 
 def make_core(folder: str, async_scheduling: bool = False) -> EngineCore:
-    return EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
+    return EngineCore(resolve_engine_config(EngineArgs(model=folder, max_model_len=128, kv_cache_memory_bytes="4MiB",
                                                         async_scheduling=async_scheduling)))
 
 

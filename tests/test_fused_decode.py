@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from benchmarks.quant_error import use_kernel
+from benchmarks.step_metadata import build_metadata, step_positions
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.model import fused_decode
 from pagedserve.engine.model.fused_decode import MAX_DENSE_ROWS, MAX_ROWS, FusedDecoder
 from pagedserve.engine.model.loader import load_hf_config, load_model, resolve_model_path
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.model_runner import RESERVED_CORES_MAX_TOKENS
-from tests.model_fixtures import build_metadata, step_positions, tiny_hf_model
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -141,7 +142,7 @@ def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) 
     dense = tiny_model(tmp_path_factory, "llama", torch.float32, None)
     assert dense._fused_decoder(*random_step(dense, [3] * (MAX_DENSE_ROWS + 1))) is None
     # The switch off.
-    monkeypatch.setenv(fused_decode.ENV_FLAG, "0")
+    monkeypatch.setenv("PAGEDSERVE_FUSED_DECODE", "0")
     assert FusedDecoder.build(model) is None
 
 

@@ -13,9 +13,10 @@ import dataclasses
 
 import numpy as np
 
-from pagedserve.engine.config import EngineArgs, EngineConfig
+from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.request import EngineCoreRequest, Request
 from pagedserve.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -76,7 +77,7 @@ PLACEHOLDER = StructuredOutputsParams(regex="x")
 
 
 def run(folder: str, params: dict[str, SamplingParams], grammar=None, drafter=None) -> dict[str, list[int]]:
-    core = EngineCore(EngineConfig.from_args(EngineArgs(model=folder, max_model_len=128,
+    core = EngineCore(resolve_engine_config(EngineArgs(model=folder, max_model_len=128,
                                                          kv_cache_memory_bytes="4MiB")),
                       structured_output_manager=grammar, drafter=drafter)
     for i, (request_id, request_params) in enumerate(params.items()):

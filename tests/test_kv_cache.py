@@ -78,3 +78,23 @@ def test_prompt_logprobs_requests_get_no_cache_hits():
     assert manager.get_computed_blocks(asks) == ([], 0)
     plain = Request("c", list(range(9)), SamplingParams(), None, block_size=4)
     assert manager.get_computed_blocks(plain)[1] == 8
+
+
+def test_the_dashboard_s_views_count_blocks_by_state_and_owner():
+    manager = KVCacheManager(num_blocks=10, block_size=4)  # 9 usable blocks
+    first = Request("a", list(range(9)), SamplingParams(), None, block_size=4)
+    second = Request("b", list(range(8)) + [99], SamplingParams(), None, block_size=4)
+    manager.allocate_slots(first, 9)  # 3 blocks, the first 2 full and cached
+    cached, num_cached_tokens = manager.get_computed_blocks(second)
+    manager.allocate_slots(second, 1, num_cached_tokens, cached)  # shares those 2, and 1 of its own
+    assert manager.num_blocks_of("a") == 3 and manager.num_blocks_of("b") == 3 and manager.num_blocks_of("x") == 0
+    owners = manager.block_ids_by_request()
+    assert owners["a"][:2] == owners["b"][:2] and len(set(owners["a"] + owners["b"])) == 4
+    assert tuple(manager.block_pool.block_counts()) == (4, 0, 5, 9)
+    manager.free(first)
+    assert manager.block_pool.block_counts()._asdict() == {"used": 3, "cached_free": 0, "free": 6, "total": 9}
+    manager.free(second)
+    assert tuple(manager.block_pool.block_counts()) == (0, 2, 7, 9)
+    states = manager.block_pool.block_states()
+    assert len(states) == 10 and states[0] == (1, False)
+    assert sorted(states[1:]).count((0, True)) == 2 and manager.block_ids_by_request() == {}

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from benchmarks.step_metadata import build_metadata
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine.model.layers import QKNorm
 from pagedserve.engine.model.linear import (
     ColumnParallelLinear,
@@ -29,7 +31,6 @@ from pagedserve.engine.model.linear_methods import UnquantizedLinearMethod
 from pagedserve.engine.model.parallel import TensorParallel
 from pagedserve.engine.model.registry import model_class
 from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from tests.model_fixtures import build_metadata, tiny_hf_model
 
 PLAIN = UnquantizedLinearMethod()
 RANK_1_OF_2 = TensorParallel(rank=1, size=2)

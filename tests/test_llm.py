@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine import LLM, SamplingParams
 from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
-from tests.model_fixtures import tiny_hf_model
 
 pytestmark = pytest.mark.slow
 

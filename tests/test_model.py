@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config
 
+from benchmarks.step_metadata import build_metadata, step_positions
+from benchmarks.tiny_models import TINY_ARCHITECTURES, tiny_hf_model
 from pagedserve.engine.chat_template import chat_prompt_token_ids
 from pagedserve.engine.model.linear import ColumnParallelLinear
 from pagedserve.engine.model.linear_methods import (
@@ -36,13 +38,7 @@ from pagedserve.engine.model.loader import (
 )
 from pagedserve.engine.model.parallel import TensorParallel
 from pagedserve.engine.model.registry import CausalLM, supported_architectures
-from tests.model_fixtures import (
-    TINY_ARCHITECTURES,
-    build_metadata,
-    embedded_gguf_path,
-    step_positions,
-    tiny_hf_model,
-)
+from tests.model_fixtures import embedded_gguf_path
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ import pytest
 from pagedserve.engine.config import EngineArgs, SpeculativeConfig
 from pagedserve.engine.core import ngram_proposer
 from pagedserve.engine.core.ngram_proposer import NgramProposer
-from pagedserve.server.cli import build_parser, main, resolve_settings
+from pagedserve.server.cli import build_parser, main
+from pagedserve.server.cli_args import resolve_settings
 
 
 def naive_propose(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -135,11 +136,11 @@ def test_json_and_mapping_resolve_alike_with_vllm_defaults():
 def test_the_yaml_file_takes_a_mapping_and_the_flag_json(tmp_path):
     config = tmp_path / "spec.yaml"
     config.write_text("speculative_config: {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 4}\n")
-    engine_args, _ = resolve_settings(build_parser().parse_args(["serve", "--config", str(config)]), {})
+    engine_args, _ = resolve_settings(build_parser().parse_args(["serve", "--config", str(config)]))
     assert engine_args.speculative_config == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     flag = '{"method": "ngram", "num_speculative_tokens": 2}'  # overrides the file's, as every flag does
     engine_args, _ = resolve_settings(build_parser().parse_args(["serve", "--config", str(config),
-                                                                 "--speculative-config", flag]), {})
+                                                                 "--speculative-config", flag]))
     assert engine_args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pagedserve.engine.config import cache_dir
+from pagedserve.engine import envs
 from tests.conftest import cli_server
 
 pytestmark = pytest.mark.infra
@@ -44,7 +44,7 @@ def test_the_installed_wheel_serves_a_completion(installed: Path, tmp_path: Path
     # A fresh cache, so that the kernel is compiled from the installed source; the GGUF conversion is reused.
     cache = tmp_path / "cache"
     cache.mkdir()
-    gguf = Path(cache_dir()) / "gguf"
+    gguf = Path(envs.PAGEDSERVE_CACHE_DIR) / "gguf"
     if gguf.is_dir():
         (cache / "gguf").symlink_to(gguf)
     env = {"PYTHONPATH": str(installed), "PAGEDSERVE_CACHE_DIR": str(cache)}

@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 
 from benchmarks.quant_error import divergence, use_kernel, window_logits
 from pagedserve.engine import LLM, SamplingParams
-from pagedserve.engine.config import EngineArgs, ModelConfig
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.engine_factory import resolve_model_config
 from pagedserve.engine.model.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.engine.model.linear_methods import (
     GGUFLinearMethod,
@@ -126,14 +127,14 @@ def test_an_unknown_quantization_is_refused_by_name() -> None:
 
 def test_gguf_quantization_of_an_hf_checkpoint_is_refused(tiny_llama_folder: str) -> None:
     with pytest.raises(ValueError, match="quantization 'gguf' keeps a GGUF file's blocks"):
-        ModelConfig.from_args(EngineArgs(model=tiny_llama_folder, quantization="gguf"))
+        resolve_model_config(EngineArgs(model=tiny_llama_folder, quantization="gguf"))
 
 
 def test_a_tensor_parallel_split_off_block_boundaries_is_refused(tiny_llama_folder: str) -> None:
     """o_proj's 64 input features over 4 ranks are 16 a rank: half a block."""
     with pytest.raises(ValueError, match=r"num_attention_heads \* head_dim / tensor_parallel_size = 4 \* 16 / 4 "
                                          r"= 16 is not a multiple of 32"):
-        ModelConfig.from_args(EngineArgs(model=tiny_llama_folder, quantization="int4", tensor_parallel_size=4))
+        resolve_model_config(EngineArgs(model=tiny_llama_folder, quantization="int4", tensor_parallel_size=4))
 
 
 # --- int8 and int4 on a tiny random model ---------------------------------------------------------------

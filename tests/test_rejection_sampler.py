@@ -7,9 +7,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from benchmarks.step_metadata import make_metadata
 from pagedserve.engine.worker.rejection_sampler import RejectionSampler
 from pagedserve.engine.worker.sampler import Sampler
-from tests.sampling_fixtures import expected_distribution, make_metadata
+from tests.sampling_fixtures import expected_distribution
 
 #: Eight logits whose least likely token still has p of about 0.035 (so
 #: acceptances of an unlikely draft still number in the hundreds over 20k trials).

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from benchmarks.step_metadata import make_metadata, pack_bitmask
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker import sample_ops
 from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
@@ -24,7 +25,7 @@ from pagedserve.engine.worker.sample_ops import (
 )
 from pagedserve.engine.worker.sampler import Sampler, compute_logprobs_tensors
 from pagedserve.engine.worker.sampling_metadata import SamplingMetadata
-from tests.sampling_fixtures import expected_distribution, make_metadata, pack_bitmask
+from tests.sampling_fixtures import expected_distribution
 
 # Ten logits in no particular order, so that "most likely" is not "lowest id".
 SMALL_LOGITS = torch.tensor([0.5, 2.0, -0.7, 1.2, -2.0, 0.1, 1.5, -0.3, 0.8, -1.2])

@@ -22,7 +22,8 @@ from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.server.app import ServerArgs
-from pagedserve.server.cli import build_parser, main, resolve_settings
+from pagedserve.server.cli import build_parser, main
+from pagedserve.server.cli_args import resolve_settings
 from tests.conftest import Served, cli_server, engine_step_fault, free_port, sse_payloads
 
 GREEDY = {"temperature": 0.0}
@@ -320,8 +321,8 @@ def test_disconnect_storm_frees_the_kv_cache(client: httpx.Client, served: Serve
 # --------------------------------------------------------------------------- CLI and configuration
 
 
-def parse_serve(argv: list[str], environ: dict[str, str] | None = None) -> tuple[EngineArgs, ServerArgs]:
-    return resolve_settings(build_parser().parse_args(["serve", *argv]), environ or {})
+def parse_serve(argv: list[str]) -> tuple[EngineArgs, ServerArgs]:
+    return resolve_settings(build_parser().parse_args(["serve", *argv]))
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path: Any) -> None:
@@ -358,10 +359,13 @@ def test_invalid_settings_exit_with_a_usage_error(tmp_path: Any, capsys: pytest.
     assert exit_info.value.code == 2
 
 
-def test_api_key_comes_from_the_environment_unless_configured() -> None:
-    environ = {"PAGEDSERVE_API_KEY": "from-env"}
-    assert parse_serve([], environ)[1].api_key == "from-env"
-    assert parse_serve(["--api-key", "from-flag"], environ)[1].api_key == "from-flag"
+def test_api_key_comes_from_the_environment_unless_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "from-env")
+    assert parse_serve([])[1].api_key == "from-env"
+    assert parse_serve(["--api-key", "from-flag"])[1].api_key == "from-flag"
+    monkeypatch.setenv("PAGEDSERVE_API_KEY", "")
+    assert parse_serve([])[1].api_key is None
+    monkeypatch.delenv("PAGEDSERVE_API_KEY")
     assert parse_serve([])[1].api_key is None
 
 
@@ -576,4 +580,4 @@ def test_generation_config_can_come_from_another_folder_or_be_off(tmp_path: Any)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         load_generation_defaults(str(tmp_path), "auto")
     parse = build_parser().parse_args(["serve", "--generation-config", "vllm"])
-    assert resolve_settings(parse, {})[0].generation_config == "vllm"
+    assert resolve_settings(parse)[0].generation_config == "vllm"

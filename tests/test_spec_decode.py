@@ -17,10 +17,11 @@ from collections.abc import Sequence
 import pytest
 
 from pagedserve.engine import LLM
-from pagedserve.engine.config import CacheConfig, EngineArgs, EngineConfig, SchedulerConfig
+from pagedserve.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.core.spec_decode import BACKOFF_FIRST_PAUSE, BACKOFF_WINDOW, DraftGate
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.request import EngineCoreRequest, Request
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.fake_runner import FakeModelRunner, next_token, reference_tokens
@@ -51,7 +52,7 @@ def run(folder: str, prompts: list[list[int]], params: SamplingParams | list[Sam
         drafter=None, **engine_args) -> tuple[dict[str, list[int]], int, EngineCore]:
     """Outputs by request id, the number of steps, and the core."""
     args = dict(model=folder, max_model_len=256, kv_cache_memory_bytes="4MiB") | engine_args
-    core = EngineCore(EngineConfig.from_args(EngineArgs(**args)), drafter=drafter)
+    core = EngineCore(resolve_engine_config(EngineArgs(**args)), drafter=drafter)
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, request_params) in enumerate(zip(prompts, params_list, strict=True)):
         core.add_request(EngineCoreRequest(str(i), prompt, request_params, eos_token_id=None, arrival_time=0.0))
@@ -133,7 +134,7 @@ def test_logprobs_of_accepted_drafts_equal_those_without_speculation(tiny_llama_
 
     def logprobs(drafter):
         args = dict(model=tiny_llama_folder, max_model_len=256, kv_cache_memory_bytes="4MiB")
-        core = EngineCore(EngineConfig.from_args(EngineArgs(**args)), drafter=drafter)
+        core = EngineCore(resolve_engine_config(EngineArgs(**args)), drafter=drafter)
         core.add_request(EngineCoreRequest("0", PROMPTS[1], params, eos_token_id=None, arrival_time=0.0))
         entries = []
         while core.has_unfinished_requests():

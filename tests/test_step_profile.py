@@ -124,8 +124,8 @@ def test_core_requests_are_added_as_the_frontend_would_and_counted_per_step() ->
 
 def test_a_real_engine_step_marks_every_region_the_benchmarks_read(tmp_path: Path) -> None:
     from benchmarks.gpu.fixtures import build_tokenizer
+    from benchmarks.tiny_models import tiny_hf_model
     from pagedserve.engine import LLM, SamplingParams
-    from tests.model_fixtures import tiny_hf_model
 
     tiny_hf_model("llama", tmp_path, tie_word_embeddings=True)
     build_tokenizer(256).save_pretrained(tmp_path)

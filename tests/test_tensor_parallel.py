@@ -26,14 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.tiny_models import tiny_hf_model
 from pagedserve.engine.config import EngineArgs, EngineConfig
 from pagedserve.engine.engine_core import EngineCore
+from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.executor.multiproc import MultiprocExecutor, WorkerDiedError, step_digest
 from pagedserve.engine.outputs import ModelRunnerOutput
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.conftest import TEST_ENGINE_ARGS, Served, cli_server
-from tests.model_fixtures import tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -55,7 +56,7 @@ ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "max_num_batched_tokens"
 
 def generate(folder: str, tensor_parallel_size: int, async_scheduling: bool = False) -> tuple[list[list[int]], int]:
     """Run ``PROMPTS`` to the end on one engine; returns each request's tokens and the preemptions."""
-    core = EngineCore(EngineConfig.from_args(EngineArgs(model=folder, tensor_parallel_size=tensor_parallel_size,
+    core = EngineCore(resolve_engine_config(EngineArgs(model=folder, tensor_parallel_size=tensor_parallel_size,
                                                         async_scheduling=async_scheduling, **ENGINE_ARGS)))
     try:
         for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
@@ -95,14 +96,14 @@ def test_two_ranks_with_async_scheduling_generate_what_one_rank_does(tmp_path: P
 def test_a_size_the_heads_do_not_split_over_is_refused_before_any_rank_starts(tiny_llama_folder: str) -> None:
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by the tensor-parallel "
                                          r"size \(3\)"):
-        EngineConfig.from_args(EngineArgs(model=tiny_llama_folder, tensor_parallel_size=3))
+        resolve_engine_config(EngineArgs(model=tiny_llama_folder, tensor_parallel_size=3))
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_ranks_configuration_error_is_raised_as_itself(tiny_llama_folder: str) -> None:
     """As at size 1: the CLI turns it into a usage error (exit 2), not an engine crash (exit 1)."""
-    config = EngineConfig.from_args(EngineArgs(model=tiny_llama_folder, tensor_parallel_size=2,
+    config = resolve_engine_config(EngineArgs(model=tiny_llama_folder, tensor_parallel_size=2,
                                                device="cuda", **ENGINE_ARGS))
     with pytest.raises(ValueError, match=r"tensor-parallel rank \d: device 'cuda' was requested"):
         EngineCore(config)
@@ -130,7 +131,7 @@ def test_a_rank_that_fails_to_start_fails_the_start_and_leaves_no_process(tmp_pa
             started.append(self)
             super().__init__(config)
 
-    config = EngineConfig.from_args(EngineArgs(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS))
+    config = resolve_engine_config(EngineArgs(model=str(tmp_path), tensor_parallel_size=2, **ENGINE_ARGS))
     with pytest.raises(WorkerDiedError, match=r"(?s)tensor-parallel rank \d .* raised:.*Traceback"):
         EngineCore(config, executor_class=Recorded)
     assert not any(process.is_alive() for process in started[0]._processes)

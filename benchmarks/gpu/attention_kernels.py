@@ -90,7 +90,7 @@ class _AttentionStep:
 def _attention_step(sizes: KernelSizes, context_lens: list[int], query_lens: list[int], dtype: torch.dtype,
                     device: str, seed: int = 0) -> _AttentionStep:
     """Each request's blocks drawn at random from one cache, so neighbours are not contiguous."""
-    from tests.model_fixtures import build_metadata
+    from benchmarks.step_metadata import build_metadata
 
     num_heads, num_kv_heads, head_dim = sizes.heads
     block_size = sizes.block_size

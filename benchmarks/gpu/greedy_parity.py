@@ -33,7 +33,7 @@ TITLE = "Greedy parity with transformers on tiny models"
 #: Largest reference logit gap (top-1 minus top-2) at which a divergence still counts as a near-tie.
 GAP_TOLERANCE = {"bfloat16": 0.1, "float32": 1e-3}
 TINY_MODELS = ("llama", "qwen2", "qwen3", "mistral")
-#: Vocabulary of the tiny models (``tests.model_fixtures.tiny_hf_model``).
+#: Vocabulary of the tiny models (``benchmarks.tiny_models.tiny_hf_model``).
 TINY_VOCAB = 256
 
 
@@ -162,7 +162,7 @@ def _parity_run(ctx: CheckContext, sizes: GreedySizes, model_type: str, folder: 
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     """Every tiny architecture of ``ctx.models`` in bf16 and fp32; a failing run leaves the others."""
-    from tests.model_fixtures import tiny_hf_model
+    from benchmarks.tiny_models import tiny_hf_model
 
     sizes = QUICK if ctx.quick else FULL
     runs: list[dict[str, Any]] = []

@@ -46,7 +46,7 @@ def _generate(ctx: CheckContext, folder: Path, dtype_name: str, size: int, promp
 
 def run(ctx: CheckContext) -> dict[str, Any]:
     """Both dtypes at sizes 1 and 2; the section is skipped with a note below two CUDA devices."""
-    from tests.model_fixtures import tiny_hf_model
+    from benchmarks.tiny_models import tiny_hf_model
 
     runs: list[dict[str, Any]] = []
     data: dict[str, Any] = {"prompt_lens": list(PROMPT_LENS), "max_tokens": MAX_TOKENS, "runs": runs}

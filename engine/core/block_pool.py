@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from pagedserve.engine.core.kv_cache_utils import BlockHash
 
@@ -25,6 +26,15 @@ class KVCacheBlock:
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class BlockCounts(NamedTuple):
+    """The usable blocks (the null block left out) by state, in blocks."""
+
+    used: int  # held by requests
+    cached_free: int  # free, still holding a cached prefix that a hit can take back until it is evicted
+    free: int  # free, holding nothing cached
+    total: int
 
 
 class FreeKVCacheBlockQueue:
@@ -112,6 +122,17 @@ class BlockPool:
     def get_usage(self) -> float:
         """Fraction (0..1) of usable blocks held by requests."""
         return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
+
+    def block_counts(self) -> BlockCounts:
+        """The usable blocks by state, from counts kept as blocks change (no scan)."""
+        num_free = self.get_num_free_blocks()
+        return BlockCounts(used=self.num_usable_blocks - num_free, cached_free=self.num_cached_free_blocks,
+                           free=num_free - self.num_cached_free_blocks, total=self.num_usable_blocks)
+
+    def block_states(self) -> list[tuple[int, bool]]:
+        """``(ref_cnt, cached)`` of every block, by block id, block 0 (the null block, ref_cnt 1) included;
+        ``cached``: the block holds a full block's hash, so a prefix can hit it. Scans the whole pool."""
+        return [(block.ref_cnt, block.block_hash is not None) for block in self.blocks]
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)

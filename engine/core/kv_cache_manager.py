@@ -136,6 +136,14 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks ``request_id`` holds (0 for an unknown request)."""
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def block_ids_by_request(self) -> dict[str, list[int]]:
+        """Each request holding blocks -> their ids, in its sequence's order."""
+        return {req_id: [b.block_id for b in blocks] for req_id, blocks in self.req_to_blocks.items() if blocks}
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False when requests still hold blocks."""
         return self.block_pool.reset_prefix_cache()

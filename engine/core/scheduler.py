@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 from pagedserve.engine.config import CacheConfig, SchedulerConfig
 from pagedserve.engine.core.draft_proposer import DraftProposer
+from pagedserve.engine.core.grammar_protocol import StructuredOutputManager
 from pagedserve.engine.core.kv_cache_manager import KVCacheManager
 from pagedserve.engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
 from pagedserve.engine.core.spec_decode import DraftGate, SpecDecodingStats
-from pagedserve.engine.core.structured_output import StructuredOutputManager
 from pagedserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.engine.request import Request, RequestStatus
 

@@ -1,6 +1,6 @@
 """The interface between the engine core and its workers (vLLM V1's ``Executor``).
 
-The engine core never touches a device: it asks the executor how much memory
+The engine core calls no device itself: it asks the executor how much memory
 the KV cache may take, tells it how many blocks to allocate, and hands it each
 step's ``SchedulerOutput``. A tensor-parallel executor implements the same
 calls by broadcasting them to one worker per rank and returning rank 0's result.

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pagedserve.engine.config import cache_dir
+from pagedserve.engine import envs
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def load_c_library(source: Path, purpose: str, extra_flags: tuple[str, ...] = ()
     compile_flags = [*COMPILE_FLAGS, *extra_flags]
     flags = " ".join(compile_flags + list(LINK_FLAGS))
     key = hashlib.sha256(text + flags.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    library = Path(cache_dir()) / "kernels" / f"{source.stem}-{key}.so"
+    library = Path(envs.PAGEDSERVE_CACHE_DIR) / "kernels" / f"{source.stem}-{key}.so"
     if not library.exists():
         try:
             folder = _writable_folder(library.parent, purpose)

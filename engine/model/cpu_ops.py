@@ -16,23 +16,21 @@ one else reads.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from pagedserve.engine import envs
 from pagedserve.engine.model.c_kernels import load_c_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-#: Set to 0 to run the torch reference everywhere (for comparisons and benchmarks).
-ENV_FLAG = "PAGEDSERVE_FUSED_CPU_OPS"
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(ENV_FLAG, "1") == "0":
+    if not envs.PAGEDSERVE_FUSED_CPU_OPS:
         return None
     lib = load_c_library(_SOURCE, "fused CPU elementwise ops")
     if lib is None:

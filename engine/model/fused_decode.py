@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve.engine import envs
 from pagedserve.engine.model.c_kernels import load_c_library
 from pagedserve.engine.model.cpu_attention import CpuAttentionBackend
 from pagedserve.engine.model.quant_kernels import KERNEL_MAX_ROWS, CWeight
@@ -48,8 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "fused_decode.c"
-#: Set to 0 to run the decoder layers one by one (for comparisons and benchmarks).
-ENV_FLAG = "PAGEDSERVE_FUSED_DECODE"
 #: Tokens per step up to which the fused call runs a quantized model: the quantized kernel's row limit (the
 #: unfused path multiplies more rows another way, so the two would no longer agree bit for bit).
 MAX_ROWS = KERNEL_MAX_ROWS
@@ -147,7 +145,7 @@ class FusedDecoder:
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
         """A ``FusedDecoder`` for ``model``, or None (with the reason logged once) where it does not apply."""
-        if os.environ.get(ENV_FLAG, "1") == "0":
+        if not envs.PAGEDSERVE_FUSED_DECODE:
             return None
         reason = cls._unsupported(model)
         if reason is None and (lib := load_kernel()) is not None:

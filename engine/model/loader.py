@@ -33,7 +33,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from pagedserve.engine.config import ModelConfig, cache_dir
+from pagedserve.engine import envs
+from pagedserve.engine.config import ModelConfig
 from pagedserve.engine.model.linear import split_heads
 from pagedserve.engine.model.linear_methods import LinearMethodBase, UnquantizedLinearMethod, linear_method_for
 from pagedserve.engine.model.parallel import TensorParallel
@@ -146,7 +147,7 @@ def gguf_cache_folder(source: ModelSource, with_weights: bool = True) -> ModelSo
     if source.gguf_file is None:
         return source
     digest = _file_sha256(os.path.join(source.path, source.gguf_file))
-    folder = os.path.join(cache_dir(), "gguf", digest[:32])
+    folder = os.path.join(envs.PAGEDSERVE_CACHE_DIR, "gguf", digest[:32])
     if not os.path.isfile(os.path.join(folder, "model.safetensors" if with_weights else "config.json")):
         _convert_gguf(source, folder, with_weights)
     return ModelSource(folder, None, source.display_name)
@@ -180,7 +181,7 @@ def gguf_block_cache(source: ModelSource, hf_config: PretrainedConfig) -> str:
     if source.gguf_file is None:
         raise ValueError(f"quantization 'gguf' needs a GGUF file, got the folder {source.path!r}")
     gguf_path = os.path.join(source.path, source.gguf_file)
-    path = os.path.join(cache_dir(), "gguf-blocks", _file_sha256(gguf_path)[:32] + ".safetensors")
+    path = os.path.join(envs.PAGEDSERVE_CACHE_DIR, "gguf-blocks", _file_sha256(gguf_path)[:32] + ".safetensors")
     if os.path.isfile(path):
         return path
     start = time.perf_counter()

@@ -7,7 +7,7 @@
   TTFT and TPOT (p50 bars, whiskers to p99) per scenario, one bar per server.
 
 Every function refuses empty input with a ``ValueError`` that says what was missing.
-Percentiles are ``np.percentile``'s, as in ``server/bench/metrics.py``, so the marked values
+Percentiles are ``np.percentile``'s, as in ``server/bench/summary.py``, so the marked values
 equal the printed report's.
 
     python -m pagedserve.server.bench.plots benchmarks/results/bench-20261130-040504.json  # -> .png beside it

@@ -38,7 +38,7 @@ from pagedserve.server.bench.dataset import (
     parse_len_range,
     sample_requests,
 )
-from pagedserve.server.bench.metrics import RequestResult, compute_metrics, format_report, result_from_timestamps
+from pagedserve.server.bench.summary import RequestResult, compute_metrics, format_report, result_from_timestamps
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -128,11 +128,11 @@ def app_builder(args: Mapping[str, Any]) -> Application:
         ValueError: an unknown key (named) or an invalid setting.
     """
     # Imported here: the CLI imports this module's package lazily, and its settings logic is reused as is.
-    from pagedserve.server.cli import _settings_fields, resolve_settings
+    from pagedserve.server.cli_args import resolve_settings, settings_fields
 
     settings = dict(args)
     config = settings.pop("config", None)
-    unknown = sorted(set(settings) - set(_settings_fields()) - REPLICA_FIELDS)
+    unknown = sorted(set(settings) - set(settings_fields()) - REPLICA_FIELDS)
     if unknown:
         raise ValueError(f"unknown application args: {', '.join(unknown)}")
     replica = {name: settings.pop(name) for name in REPLICA_FIELDS & set(settings)}

@@ -11,9 +11,10 @@ import logging
 import signal
 import time
 
-from pagedserve.engine.config import EngineArgs, ModelConfig
+from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.engine_factory import resolve_model_config
+from pagedserve.server.api_server import StartupError, bind
 from pagedserve.server.app import ServerArgs
-from pagedserve.server.cli import StartupError, _bind
 from pagedserve.server.replicas.settings import ReplicaSettings
 
 logger = logging.getLogger(__name__)
@@ -54,10 +55,10 @@ def serve_replicas(engine_args: EngineArgs, server_args: ServerArgs, settings: R
     except ImportError as err:
         raise StartupError(f"--num-replicas needs Ray Serve ({err}): install the ray extra, e.g. "
                            "`.venv/bin/pip install -e \".[ray]\"` in the repository") from err
-    _bind(server_args.host, server_args.port).close()  # a port in use fails now, not in Ray's proxy
+    bind(server_args.host, server_args.port).close()  # a port in use fails now, not in Ray's proxy
     try:
         # A bad model fails now, with its reason; and a GGUF is converted once, not by each replica at once.
-        ModelConfig.from_args(engine_args)
+        resolve_model_config(engine_args)
     except (ValueError, OSError) as err:
         raise StartupError(str(err)) from err
     try:

@@ -9,43 +9,40 @@ ray, so that the CLI can build its parser without the ``ray`` extra.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from pagedserve.engine.config import setting
 
 #: ``--request-router`` choices (``pagedserve.server.replicas.router``); pow2 is Ray Serve's default policy, without its
 #: locality preferences.
 REQUEST_ROUTERS = ("prefix", "round_robin", "pow2")
 
 
-def _arg(default: Any, help: str, unit: str = "", choices: tuple | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "unit": unit, "choices": choices})
-
-
 @dataclass
 class ReplicaSettings:
     """How many engine replicas run on Ray Serve and how requests are routed among them."""
 
-    num_replicas: int = _arg(
+    num_replicas: int = setting(
         1, "Engine replicas on Ray Serve, each a whole engine behind the same OpenAI routes; 1 = the plain "
         "server, without Ray (needs the ray extra above 1)", "replicas")
-    request_router: str = _arg(
+    request_router: str = setting(
         "prefix", "How requests are spread over the replicas: prefix = to the replica that served the "
         "longest prefix of the prompt unless it is busy (prefix-cache affinity), round_robin = in turn, "
         "pow2 = the shorter queue of two random replicas (Ray Serve's default policy, without its locality)",
         choices=REQUEST_ROUTERS)
-    router_imbalance_threshold: int = _arg(
+    router_imbalance_threshold: int = setting(
         8, "With the prefix router, a replica holding the prefix is passed over for the least-loaded one "
         "when it has more than this many requests in flight beyond it", "requests")
-    max_ongoing_requests: int = _arg(
+    max_ongoing_requests: int = setting(
         256, "Requests in flight per replica before Ray Serve queues the next ones (its backpressure; the "
         "engine's own waiting queue is behind it)", "requests")
-    replica_num_cpus: float = _arg(
+    replica_num_cpus: float = setting(
         1.0, "Ray CPUs reserved per replica; Ray also sets the replica's torch threads (OMP_NUM_THREADS) to "
         "it, unless the environment sets them", "cpus")
-    replica_num_gpus: float = _arg(
+    replica_num_gpus: float = setting(
         0.0, "Ray GPUs reserved per replica; 0 = one per tensor-parallel rank when device is cuda, or auto on a "
         "machine with CUDA", "gpus")
-    health_check_period_s: float = _arg(
+    health_check_period_s: float = setting(
         5.0, "How often Ray Serve asks each replica whether its engine runs; a failed check replaces the "
         "replica", "seconds")
 

@@ -1,4 +1,5 @@
-"""Where constrained decoding plugs into the scheduler: a manager that owns the requests' grammars.
+"""Where constrained decoding plugs into the scheduler: the protocol of a manager that owns the requests'
+grammars (the implementation, ``GuidanceManager``, is in ``pagedserve.engine.structured_output``).
 
 The scheduler hands each constrained request to its manager on arrival (``add_request``), which starts
 compiling its grammar off the engine thread; the request waits in the queue, not the engine thread,

@@ -1,0 +1,52 @@
+"""Tiny random-weight checkpoints of each supported architecture, built in code: for the benchmarks that need a
+model of a family without its size (the GPU check's parity and tensor-parallel sections) and for the tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+# The architectures built: model_type -> extra config values.
+TINY_ARCHITECTURES: dict[str, dict] = {
+    "llama": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64}},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {"head_dim": 16},
+}
+
+
+def tiny_hf_model(model_type: str, folder: Path, *, tie_word_embeddings: bool, seed: int = 0,
+                  **overrides: object) -> PreTrainedModel:
+    """Build a tiny random-weight transformers model and ``save_pretrained`` it (safetensors) to ``folder``.
+
+    hidden 64, 2 layers, 4 query heads, 2 KV heads, vocab 256. Every parameter,
+    biases and norm weights included, is drawn at random (norms around 1) so
+    that a loader mixing up two tensors changes the outputs.
+
+    Args:
+        model_type: a key of ``TINY_ARCHITECTURES``.
+        folder: where the checkpoint is written.
+        tie_word_embeddings: share the embedding with the output head.
+        seed: seed of the weights.
+        overrides: config values that replace the sizes above (e.g. ``num_key_value_heads=1``).
+
+    Returns:
+        The float32 transformers model, in eval mode, as the reference.
+    """
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = AutoConfig.for_model(
+        model_type, tie_word_embeddings=tie_word_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **(sizes | TINY_ARCHITECTURES[model_type] | overrides))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(folder)
+    return model
