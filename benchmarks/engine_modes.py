@@ -1,8 +1,8 @@
 """Where the engine core runs, measured over HTTP: a thread of the server (``PAGEDSERVE_ENABLE_MULTIPROCESSING=0``),
 its own process (the default), and its own process with ``--async-scheduling``.
 
-Per mode and concurrency (1, 16 and 64 streams, each stream a random 64-256-token prompt and 128 output
-tokens, EOS ignored), in the same run:
+Per mode and concurrency (1, 16 and 64 streams; max(4, streams) requests, each a random 64-256-token prompt
+and 128 output tokens, EOS ignored), in the same run:
 
 - TTFT and TPOT p50, and output tokens per second, from ``pagedserve bench serve``'s load generator;
 - ``/health`` p50 and p99, polled every 50 ms while the load runs: what an orchestrator's probe waits.
@@ -39,7 +39,6 @@ MODES: dict[str, tuple[dict[str, str], list[str]]] = {
     "process": ({}, []),
     "process+async": ({}, ["--async-scheduling"]),
 }
-CONCURRENCIES = (1, 16, 64)
 HEALTH_PERIOD_S = 0.05
 
 
@@ -56,7 +55,7 @@ async def _poll_health(base_url: str, stop: asyncio.Event) -> list[float]:
 
 
 async def _measure(base_url: str, model: str, concurrency: int, tokenizer: Any, seed: int) -> dict[str, float]:
-    requests = sample_requests(tokenizer, max(4, 2 * concurrency), (64, 256), (128, 128), seed=seed)
+    requests = sample_requests(tokenizer, max(4, concurrency), (64, 256), (128, 128), seed=seed)
     options = ServeOptions(base_url=base_url, model=model, max_concurrency=concurrency, ignore_eos=True,
                            show_progress=False)
     stop = asyncio.Event()
@@ -72,7 +71,8 @@ async def _measure(base_url: str, model: str, concurrency: int, tokenizer: Any, 
             "health_p99_ms": 1000 * float(np.percentile(latencies, 99))}
 
 
-def run_mode(name: str, server_args: list[str], log_dir: Path, tokenizer: Any, seed: int) -> dict[int, dict]:
+def run_mode(name: str, server_args: list[str], log_dir: Path, tokenizer: Any, seed: int,
+             concurrencies: list[int]) -> dict[int, dict]:
     environment, flags = MODES[name]
     port = free_port()
     command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *server_args, *flags]
@@ -82,7 +82,7 @@ def run_mode(name: str, server_args: list[str], log_dir: Path, tokenizer: Any, s
             raise RuntimeError(f"{name} did not start: {why}: {server.log_tail()}")
         model = httpx.get(server.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
         asyncio.run(_measure(server.base_url, model, 4, tokenizer, seed))  # warm-up: kernels, caches
-        return {c: asyncio.run(_measure(server.base_url, model, c, tokenizer, seed)) for c in CONCURRENCIES}
+        return {c: asyncio.run(_measure(server.base_url, model, c, tokenizer, seed)) for c in concurrencies}
     finally:
         server.stop()
 
@@ -92,7 +92,7 @@ def summarize(rounds: list[dict[str, dict[int, dict]]]) -> dict[str, dict[int, d
     summary: dict[str, dict[int, dict[str, list[float]]]] = {}
     for mode in rounds[0]:
         summary[mode] = {}
-        for c in CONCURRENCIES:
+        for c in rounds[0][mode]:
             values = {k: [r[mode][c][k] for r in rounds] for k in rounds[0][mode][c]}
             summary[mode][c] = {k: [statistics.median(v), min(v), max(v)] for k, v in values.items()}
     return summary
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of every mode")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    parser.add_argument("--concurrencies", default="1,16,64", help="comma-separated numbers of streams")
     parser.add_argument("--server-args", default="--max-model-len 1024 --kv-cache-memory-bytes 1GiB",
                         help="flags every server gets (e.g. add --quantization gguf)")
     parser.add_argument("--result-json", type=Path, help="write the rounds and the summary here")
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="engine-modes-"))
     rounds = []
     for repeat in range(args.repeats):
-        rounds.append({mode: run_mode(mode, args.server_args.split(), log_dir, tokenizer, seed=repeat)
-                       for mode in modes})
+        rounds.append({mode: run_mode(mode, args.server_args.split(), log_dir, tokenizer, repeat,
+                                      [int(c) for c in args.concurrencies.split(",")]) for mode in modes})
         print(f"round {repeat + 1}: {json.dumps(rounds[-1])}", flush=True)
     summary = summarize(rounds)
     print(markdown(summary, len(rounds)))
