@@ -112,6 +112,8 @@ class EngineCore:
         self._worker_thread = (ThreadPoolExecutor(1, thread_name_prefix="pagedserve-worker")
                                if config.scheduler_config.async_scheduling else None)
         self._in_flight: _InFlightStep | None = None
+        # What a call on the worker thread raised: the steps queued behind it must not run on a broken worker.
+        self._worker_error: BaseException | None = None
         if self._worker_thread is not None:
             logger.info("async scheduling: each step is planned while the worker runs the one before")
         # Step records for the dashboard (engine/step_records.py), taken by take_step_record(); off
@@ -174,7 +176,8 @@ class EngineCore:
                 engine cannot step again.
         """
         if self._worker_thread is not None:
-            return self._step_async()
+            with region("engine_core.step"):
+                return self._step_async()
         if not self.scheduler.has_requests():
             return []
         with region("engine_core.step"):
@@ -217,7 +220,8 @@ class EngineCore:
             start = time.perf_counter()
             with region("scheduler.schedule"):
                 scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids:
+            if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids):
                 scheduled = scheduled_requests(self.scheduler, scheduler_output) if self.record_steps else []
                 forward = self._worker_thread.submit(self._run_forward, scheduler_output)
                 launched = (scheduler_output, forward, scheduled, time.perf_counter() - start)
@@ -235,7 +239,18 @@ class EngineCore:
     def _run_forward(self, scheduler_output: SchedulerOutput) -> tuple[ModelRunnerOutput | None, float]:
         """On the worker thread: ``execute_model`` and the seconds it took."""
         start = time.perf_counter()
-        return self.executor.execute_model(scheduler_output), time.perf_counter() - start
+        output = self._on_worker(self.executor.execute_model, scheduler_output)
+        return output, time.perf_counter() - start
+
+    def _on_worker(self, call: Callable[..., Any], *args: Any) -> Any:
+        """Run an executor call on the worker thread, unless an earlier one raised (then raise that again)."""
+        if self._worker_error is not None:
+            raise self._worker_error
+        try:
+            return call(*args)
+        except BaseException as exc:
+            self._worker_error = exc
+            raise
 
     def _run_sample(self, forward: Future[tuple[ModelRunnerOutput | None, float]],
                     grammar_output: GrammarOutput | None) -> tuple[ModelRunnerOutput, float, float]:
@@ -244,14 +259,15 @@ class EngineCore:
         output, forward_s = forward.result()
         start = time.perf_counter()
         if output is None:
-            output = self.executor.sample_tokens(grammar_output)
+            output = self._on_worker(self.executor.sample_tokens, grammar_output)
         return output, forward_s, time.perf_counter() - start
 
     def _finish_in_flight(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight and apply its output to the scheduler."""
-        step, self._in_flight = self._in_flight, None
+        step = self._in_flight
         with region("engine_core.wait_for_worker"):
             model_runner_output, forward_s, sample_s = step.result.result()
+        self._in_flight = None  # only now: an interrupt while waiting leaves the step to the next call
         start = time.perf_counter()
         with region("scheduler.update_from_output"):
             outputs = self.scheduler.update_from_output(step.scheduler_output, model_runner_output)

@@ -79,17 +79,21 @@ def load_engine(args: EngineArgs) -> LoadedEngine:
             a KV cache too small for ``max_model_len``), naming it.
         OSError: model or tokenizer files that cannot be read, a cache that cannot be written.
     """
-    config = resolve_engine_config(args)
-    tokenizer = _tokenizer(config)
-    grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
-    engine_core = EngineCore(config, structured_output_manager=GuidanceManager(grammars))
+    engine_core, tokenizer, grammars = _build_engine_core(args)
     return LoadedEngine(engine_core, _processor(engine_core.config, tokenizer, grammars))
 
 
 def load_engine_core(args: EngineArgs) -> EngineCore:
     """The engine core alone, with a grammar compiler of its own (the engine process's: its frontend has
-    another), as ``load_engine`` raises. The input processor left over costs nothing: it loads nothing."""
-    return load_engine(args).engine_core
+    another), as ``load_engine`` raises."""
+    return _build_engine_core(args)[0]
+
+
+def _build_engine_core(args: EngineArgs) -> tuple[EngineCore, PreTrainedTokenizerBase, GrammarCompiler]:
+    config = resolve_engine_config(args)
+    tokenizer = _tokenizer(config)
+    grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
+    return EngineCore(config, structured_output_manager=GuidanceManager(grammars)), tokenizer, grammars
 
 
 def load_processor(config: EngineConfig) -> InputProcessor:

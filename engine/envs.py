@@ -3,6 +3,8 @@
 
 Read at each access, not at import (``envs.PAGEDSERVE_CACHE_DIR`` calls its reader through the module's
 ``__getattr__``), so that a variable set after import, by a test's ``monkeypatch.setenv`` say, counts.
+Import the module and read its attributes (``from pagedserve.engine import envs``; ``envs.X``):
+``from pagedserve.engine.envs import X`` would keep the value X had at that import.
 docs/configuration.md lists them. Variables of other tools (``HF_HUB_OFFLINE``, ``OMP_NUM_THREADS``,
 ``TRITON_INTERPRET``, ``CC``) are read where they are used.
 

@@ -108,6 +108,13 @@ class ServerLoop:
         self.loop.close()
 
 
+@pytest.fixture(autouse=True)
+def _no_api_key_from_the_developer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``PAGEDSERVE_API_KEY`` in the shell that runs the tests would lock every server they start (the
+    settings read it, ``pagedserve.engine.envs``); tests that want a key set it themselves."""
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random-weight Llama (vocabulary 256, untied head) saved as an HF folder, without a tokenizer."""

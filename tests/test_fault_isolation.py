@@ -210,6 +210,48 @@ def test_fault_in_scheduler_accounting(tiny_llama_folder, reference, monkeypatch
     assert_isolated(core, tokens, errors, reference, "update injected")
 
 
+def test_async_scheduling_an_abort_in_flight_frees_the_request_and_leaves_the_others(tiny_llama_folder, reference):
+    core = make_core(tiny_llama_folder, async_scheduling=True)
+    for req_id, prompt in PROMPTS.items():
+        add(core, req_id, prompt, PARAMS[req_id])
+    tokens: dict[str, list[int]] = {}
+    for step in range(100):
+        if not core.has_unfinished_requests():
+            break
+        if step == 3:
+            assert core._in_flight is not None and "b" in core._in_flight.scheduler_output.num_scheduled_tokens
+            core.abort_requests(["b"])
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert {r: tokens[r] for r in ("a", "c")} == {r: reference[r] for r in ("a", "c")}
+    assert tokens["b"] == reference["b"][:len(tokens["b"])] and len(tokens["b"]) < len(reference["b"])
+    runner = core.executor.worker.model_runner
+    assert not runner.requests and not core.scheduler.requests and core.make_stats().kv_cache_usage == 0
+
+
+def test_async_scheduling_a_forward_fault_stops_the_engine_and_nothing_runs_after_it(tiny_llama_folder, monkeypatch):
+    """A fault no request can be blamed for ends the engine. The forward pass planned behind it is already
+    queued on the worker thread: it must not run on the broken worker."""
+    execute_model = ModelRunner.execute_model
+    calls = []
+
+    def failing_third_step(self, scheduler_output):
+        calls.append(None)
+        if len(calls) == 3:
+            raise RuntimeError("device fault")
+        return execute_model(self, scheduler_output)
+
+    monkeypatch.setattr(ModelRunner, "execute_model", failing_third_step)
+    core = make_core(tiny_llama_folder, async_scheduling=True)
+    for req_id, prompt in PROMPTS.items():
+        add(core, req_id, prompt, PARAMS[req_id])
+    with pytest.raises(RuntimeError, match="device fault"):
+        while core.has_unfinished_requests():
+            core.step()
+    core.shutdown()  # waits for the worker thread's queue
+    assert len(calls) == 3
+
+
 def test_every_request_failing_leaves_the_engine_serving(tiny_llama_folder, reference, monkeypatch):
     """A step whose only scheduled request fails runs no forward pass and reports the failure."""
     core = make_core(tiny_llama_folder)

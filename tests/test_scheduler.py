@@ -369,7 +369,7 @@ def test_async_scheduling_plans_the_token_in_flight_as_a_placeholder():
 
     while pipeline.busy():  # the worker is told to drop the request
         so, outs = pipeline.step()
-        assert outs == [] and so is None or so.finished_req_ids == {"a"}
+        assert outs == [] and (so is None or so.finished_req_ids == {"a"})
     assert sched.kv_cache_manager.usage == 0
 
 

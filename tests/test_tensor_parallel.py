@@ -88,8 +88,8 @@ def test_two_ranks_with_async_scheduling_generate_what_one_rank_does(tmp_path: P
     expected, _ = generate(str(tmp_path), 1)
     actual, preemptions = generate(str(tmp_path), 2, async_scheduling=True)
     assert preemptions > 0
-    # Greedy and seeded requests; the unseeded one draws from the shared generator, and async scheduling runs
-    # steps of other shapes (a request that stopped runs one more token).
+    # Greedy and seeded requests; the unseeded one draws from the shared generator, and with async scheduling
+    # the steps are shaped otherwise (preemptions fall on other steps).
     assert actual[:5] == expected[:5]
 
 

@@ -344,10 +344,15 @@ class Scheduler:
         """
         outputs, self._failed_waiting = self._failed_waiting, []
         finished: set[str] = set()
+        # With async scheduling, a request preempted while this step ran gets the step's tokens in the waiting
+        # queue, and may finish there.
+        finished_waiting: set[str] = set()
         failed = model_runner_output.failed_req_ids
         for req_id, message in failed.items():
             request = self.requests.get(req_id)
             if request is not None:  # else aborted while the step ran
+                if request.status == RequestStatus.PREEMPTED:
+                    finished_waiting.add(req_id)
                 outputs.append(self._fail_request(request, message))
                 finished.add(req_id)
         index_of = model_runner_output.req_id_to_index
@@ -355,6 +360,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or req_id not in index_of or req_id in failed:
                 continue  # aborted while the step ran, or failed above
+            waiting = request.status == RequestStatus.PREEMPTED
             try:
                 output = self._update_request(request, scheduler_output, model_runner_output, index_of[req_id])
             except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
@@ -362,16 +368,16 @@ class Scheduler:
                 output = self._fail_request(request, repr(exc))
             if request.is_finished:
                 finished.add(req_id)
+                if waiting:
+                    finished_waiting.add(req_id)
             if output is not None:
                 outputs.append(output)
         if self.drafter is not None:
             outputs += self._propose_drafts(finished)
         if finished:
             self.running = [r for r in self.running if r.request_id not in finished]
-            if self.config.async_scheduling:
-                # A request preempted while its last step ran gets that step's tokens in the waiting queue,
-                # and may finish there.
-                self.waiting = deque(r for r in self.waiting if r.request_id not in finished)
+        if finished_waiting:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in finished_waiting)
         return outputs
 
     def _update_request(self, request: Request, scheduler_output: SchedulerOutput,

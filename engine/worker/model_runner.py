@@ -116,6 +116,8 @@ class ModelRunner:
         self._pending: _PendingSample | None = None
         # Requests failed in the current step: id -> error (ModelRunnerOutput.failed_req_ids).
         self._failed: dict[str, str] = {}
+        # ... and in the step before: with async scheduling the next plan was made before the scheduler heard.
+        self._failed_before: set[str] = set()
         torch.manual_seed(config.args.seed)
         self.cuda_graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.args.enforce_eager:
@@ -149,6 +151,8 @@ class ModelRunner:
                 self._fail_request(new.req_id, repr(exc))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in self._failed_before:
+                continue  # reported already; the scheduler drops it when that report arrives
             try:
                 if self._update_cached_state(cached, i):
                     to_add.append(self.requests[req_id])
@@ -301,7 +305,7 @@ class ModelRunner:
             None when rows sample this step (their logits are kept for ``sample_tokens``);
             otherwise the step's whole output (a cleanup step, or only partial prefills).
         """
-        self._failed = {}
+        self._failed_before, self._failed = set(self._failed), {}
         with region("model_runner.update_states"):
             self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
