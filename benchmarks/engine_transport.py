@@ -7,7 +7,7 @@ receives back to the parent:
 - ``pipe+pickle`` (what pagedserve uses): ``multiprocessing.Pipe``'s ``send``/``recv``, which pickle (the
   dataclasses as they are);
 - ``pipe+msgpack``: the same pipe's ``send_bytes``/``recv_bytes`` with msgpack, the dataclasses flattened to
-  tuples and rebuilt on the other side (msgpack carries no classes);
+  tuples and rebuilt on the other side (msgpack carries no classes), when msgpack is installed (Ray brings it);
 - ``zmq+pickle`` (vLLM's choice, with msgspec): a PAIR socket over IPC, when pyzmq is installed.
 
 Messages: a step of 1, 16 and 64 decoding requests (one token each, no logprobs), and one of 16 requests
@@ -20,6 +20,7 @@ parent's encode + decode time alone (what the server's event loop pays).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import pickle
 import statistics
@@ -28,8 +29,6 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple
 from typing import Any
-
-import msgpack
 
 from pagedserve.engine.core.scheduler import SchedulerStats
 from pagedserve.engine.outputs import EngineCoreOutput, TokenLogprobs
@@ -54,6 +53,8 @@ def _pickle(message: tuple) -> bytes:
 
 
 def _flatten(message: tuple) -> bytes:
+    import msgpack
+
     kind, outputs, stats, num_applied, record = message
     rows = [(o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens,
              [astuple(lp) for lp in o.new_logprobs] if o.new_logprobs else None, None, o.first_scheduled_time,
@@ -62,6 +63,8 @@ def _flatten(message: tuple) -> bytes:
 
 
 def _unflatten(data: bytes) -> tuple:
+    import msgpack
+
     kind, rows, stats, num_applied, record = msgpack.unpackb(data)
     outputs = [EngineCoreOutput(request_id=r[0], new_token_ids=r[1], finish_reason=r[2], stop_reason=r[3],
                                 num_cached_tokens=r[4],
@@ -111,7 +114,10 @@ def measure(iterations: int) -> list[dict[str, Any]]:
     context = mp.get_context("spawn")
     rows = []
     # The child echoes bytes: both ends' codec work is the parent's, measured the same way for each format.
-    for name, encode, decode in (("pipe+pickle", _pickle, pickle.loads), ("pipe+msgpack", _flatten, _unflatten)):
+    codecs = [("pipe+pickle", _pickle, pickle.loads)]
+    if importlib.util.find_spec("msgpack") is not None:
+        codecs.append(("pipe+msgpack", _flatten, _unflatten))
+    for name, encode, decode in codecs:
         parent, child = context.Pipe()
         process = context.Process(target=_echo_pipe, args=(child,), daemon=True)
         process.start()

@@ -128,7 +128,9 @@ class EngineArgs:
     async_scheduling: bool = setting(
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
-        "scheduler's and the output path's time behind the forward pass. Not with speculative_config")
+        "scheduler's and the output path's time behind the forward pass. On 2 CPU cores: 6% faster per token with one "
+        "stream, 9-13% fewer tokens per second with 16-64 (the overlap takes a core from the forward pass). Not with "
+        "speculative_config")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
