@@ -129,8 +129,8 @@ class EngineArgs:
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
         "scheduler's and the output path's time behind the forward pass. On 2 CPU cores: 6% faster per token with one "
-        "stream, 9-13% fewer tokens per second with 16-64 (the overlap takes a core from the forward pass). Not with "
-        "speculative_config")
+        "stream, 9-13% fewer tokens per second with 16-64 (the overlap takes a core from the forward pass). With "
+        "speculative_config, a step with drafts is waited for before the next is planned")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -169,11 +169,6 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from err
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
-            if self.async_scheduling:
-                # A draft is proposed from the request's last known token, but with a step in flight that token
-                # is a placeholder the scheduler has not seen yet (vLLM refuses n-gram drafts with it too).
-                raise ValueError("async_scheduling cannot be combined with speculative_config: drafts need the "
-                                 "previous step's tokens, which async scheduling plans without")
 
 
 #: ``speculative_config`` methods: ngram = prompt lookup (``pagedserve.engine.core.ngram_proposer``).

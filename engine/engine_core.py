@@ -209,12 +209,17 @@ class EngineCore:
         of the step in flight, then start the next step's sampling.
 
         The sampling starts only after the update because the grammars must have taken the previous step's
-        tokens before they give the next step's masks. On the worker thread the order is forward N, sample N,
-        forward N + 1, ...: step N + 1's forward pass runs while this thread updates step N.
+        tokens before they give the next step's masks. A step with drafts is finished before the next plan. On
+        the worker thread the order is forward N, sample N, forward N + 1, ...: step N + 1's forward pass runs
+        while this thread updates step N.
 
         Returns:
             The outputs of the step that was in flight; none on the first call.
         """
+        outputs = []
+        if self._in_flight is not None and self._in_flight.scheduler_output.scheduled_spec_decode_tokens:
+            # How many of its drafts are accepted decides where its requests stand: plan after its tokens.
+            outputs = self._finish_in_flight()
         launched = None
         if self.scheduler.has_requests():
             start = time.perf_counter()
@@ -228,7 +233,8 @@ class EngineCore:
             elif self._in_flight is None:
                 # Only requests whose grammars are compiling: wait for one instead of spinning.
                 self.scheduler.wait_for_grammars(GRAMMAR_WAIT_S)
-        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        if self._in_flight is not None:
+            outputs = self._finish_in_flight()
         if launched is not None:
             scheduler_output, forward, scheduled, schedule_s = launched
             grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)

@@ -102,7 +102,8 @@ def step(scheduler: Scheduler, runner: FakeModelRunner) -> tuple[SchedulerOutput
 
 
 class Pipeline:
-    """Async scheduling's order of calls: plan and run step N + 1, then update the scheduler with step N.
+    """Async scheduling's order of calls: plan and run step N + 1, then update the scheduler with step N (but
+    a step with drafts is updated before the next plan), as ``EngineCore`` does.
 
     The fake runner computes a step as soon as it is planned, which is the order the real worker thread keeps
     (step N's sampling, then step N + 1's forward pass), so a planned placeholder is always filled in."""
@@ -117,11 +118,16 @@ class Pipeline:
     def step(self) -> tuple[SchedulerOutput | None, list[EngineCoreOutput]]:
         """One engine-core call: the new plan (None when there was nothing to plan) and the outputs of the
         step that was in flight."""
+        outputs = []
+        if self.in_flight is not None and self.in_flight[0].scheduled_spec_decode_tokens:
+            outputs = self.scheduler.update_from_output(*self.in_flight)  # drafts: no plan behind it
+            self.in_flight = None
         so = self.scheduler.schedule() if self.scheduler.has_requests() else None
-        if so is not None and not (so.total_num_scheduled_tokens or so.finished_req_ids):
+        if so is not None and not (so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids):
             so = None
         launched = (so, self.runner.execute_model(so)) if so is not None else None
-        outputs = self.scheduler.update_from_output(*self.in_flight) if self.in_flight is not None else []
+        if self.in_flight is not None:
+            outputs = self.scheduler.update_from_output(*self.in_flight)
         self.in_flight = launched
         return so, outputs
 

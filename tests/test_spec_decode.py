@@ -24,7 +24,7 @@ from pagedserve.engine.engine_core import EngineCore
 from pagedserve.engine.engine_factory import resolve_engine_config
 from pagedserve.engine.request import EngineCoreRequest, Request
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.fake_runner import FakeModelRunner, next_token, reference_tokens
+from tests.fake_runner import FakeModelRunner, Pipeline, next_token, reference_tokens
 from tests.fake_runner import step as fake_step
 
 VOCAB = 256
@@ -90,41 +90,65 @@ def test_right_drafts_are_all_accepted_in_fewer_steps(tiny_llama_folder, referen
     assert core.make_stats().kv_cache_usage == 0.0
 
 
-def test_wrong_drafts_are_all_rejected_and_change_nothing(tiny_llama_folder, reference):
+#: With async scheduling a request whose last token is in flight runs the drafter's guesses after it, and a
+#: step with drafts is finished before the next is planned: the tokens must not change.
+ASYNC_SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
+@ASYNC_SCHEDULING
+def test_wrong_drafts_are_all_rejected_and_change_nothing(tiny_llama_folder, reference, async_scheduling):
     expected, steps = reference
-    outputs, spec_steps, _ = run(tiny_llama_folder, PROMPTS, GREEDY, OracleProposer(sequences(expected), 3, wrong=True))
-    assert outputs == expected and spec_steps == steps
+    outputs, spec_steps, _ = run(tiny_llama_folder, PROMPTS, GREEDY, OracleProposer(sequences(expected), 3, wrong=True),
+                                 async_scheduling=async_scheduling)
+    assert outputs == expected and (async_scheduling or spec_steps == steps)
 
 
+def test_async_scheduling_runs_right_drafts_after_the_token_in_flight(tiny_llama_folder, reference):
+    """The drafter's first guess is for the token in flight and is dropped; the others are all accepted."""
+    expected, _ = reference
+    outputs, _, core = run(tiny_llama_folder, PROMPTS, GREEDY, OracleProposer(sequences(expected), 4),
+                           async_scheduling=True)
+    assert outputs == expected
+    spec = core.make_stats().spec_decoding
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens == spec.num_draft_tokens
+    assert core.make_stats().kv_cache_usage == 0.0
+
+
+@ASYNC_SCHEDULING
 @pytest.mark.parametrize("wrong", [False, True])
-def test_drafts_under_chunked_prefill_and_preemption(tiny_llama_folder, reference, wrong):
+def test_drafts_under_chunked_prefill_and_preemption(tiny_llama_folder, reference, wrong, async_scheduling):
     expected, _ = reference
     drafter = OracleProposer(sequences(expected), 3, wrong=wrong)
     # 22 blocks of 4 tokens cannot hold six requests of up to 80 tokens: requests are preempted.
     outputs, _, core = run(tiny_llama_folder, PROMPTS, GREEDY, drafter, block_size=4, num_gpu_blocks_override=23,
-                           long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=6)
+                           long_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=6,
+                           async_scheduling=async_scheduling)
     assert core.make_stats().num_preemptions > 0
     assert outputs == expected
 
 
-def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(tiny_llama_folder, reference):
+@ASYNC_SCHEDULING
+def test_a_stop_inside_the_accepted_drafts_ends_the_request_there(tiny_llama_folder, reference, async_scheduling):
     expected, _ = reference
     stop_token = expected["2"][6]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_token])
     plain, _, _ = run(tiny_llama_folder, PROMPTS, params)
-    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, OracleProposer(sequences(expected), 4))
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, OracleProposer(sequences(expected), 4),
+                        async_scheduling=async_scheduling)
     assert outputs == plain
     assert plain["2"] == expected["2"][:expected["2"].index(stop_token) + 1]
 
 
-def test_drafts_stop_at_max_tokens_and_max_model_len(tiny_llama_folder, reference):
+@ASYNC_SCHEDULING
+def test_drafts_stop_at_max_tokens_and_max_model_len(tiny_llama_folder, reference, async_scheduling):
     expected, _ = reference
     drafter = OracleProposer(sequences(expected), 4)
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
-    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, drafter)
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, params, drafter, async_scheduling=async_scheduling)
     assert outputs == {i: tokens[:7] for i, tokens in expected.items()}
     # The longest prompt (50 tokens) may grow to max_model_len 60 only.
-    outputs, _, _ = run(tiny_llama_folder, PROMPTS, GREEDY, drafter, max_model_len=60)
+    outputs, _, _ = run(tiny_llama_folder, PROMPTS, GREEDY, drafter, max_model_len=60,
+                        async_scheduling=async_scheduling)
     assert outputs["5"] == expected["5"][:10]
 
 
@@ -189,9 +213,10 @@ class FakeModelDrafter:
 FAKE_VOCAB = 50
 
 
-def fake_scheduler(drafter, gate: DraftGate | None = None, max_num_seqs: int = 8) -> tuple[Scheduler, FakeModelRunner]:
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 256, 1024), CacheConfig(128, 16), drafter=drafter,
-                          draft_gate=gate)
+def fake_scheduler(drafter, gate: DraftGate | None = None, max_num_seqs: int = 8,
+                   async_scheduling: bool = False) -> tuple[Scheduler, FakeModelRunner]:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 256, 1024, async_scheduling=async_scheduling),
+                          CacheConfig(128, 16), drafter=drafter, draft_gate=gate)
     return scheduler, FakeModelRunner(128, 16, FAKE_VOCAB)
 
 
@@ -333,7 +358,26 @@ def test_the_engine_says_at_start_that_speculation_is_on(tiny_llama_folder, capl
                      "prompt_lookup_max=5, disable_by_batch_size=None"]
 
 
-def test_async_scheduling_with_speculation_is_refused_naming_both():
-    """Drafts are proposed from a request's last token, which async scheduling plans without."""
-    with pytest.raises(ValueError, match="async_scheduling cannot be combined with speculative_config"):
-        EngineArgs(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+@pytest.mark.parametrize("right", [True, False])
+def test_async_scheduling_with_drafts_gives_the_same_tokens_in_pipeline_order(right):
+    """Against the fake runner driven as the engine core drives it: steps without drafts are planned behind the
+    step in flight, a step with drafts is finished first."""
+    scheduler, runner = fake_scheduler(FakeModelDrafter(3, right=right), async_scheduling=True)
+    requests = [fake_request(str(i), max_tokens=5 + 7 * i) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    pipeline = Pipeline(scheduler, runner)
+    outputs: dict[str, list[int]] = {}
+    pipelined = 0
+    while pipeline.busy():
+        in_flight = pipeline.in_flight
+        so, outs = pipeline.step()
+        pipelined += in_flight is not None and so is not None and not in_flight[0].scheduled_spec_decode_tokens
+        for output in outs:
+            outputs.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert outputs == expected_fake_outputs(requests)
+    spec = scheduler.make_stats().spec_decoding
+    assert spec.num_draft_tokens > 0 and pipelined > 0
+    assert (spec.num_accepted_tokens == spec.num_draft_tokens) if right else spec.num_accepted_tokens == 0
+    assert scheduler.kv_cache_manager.usage == 0

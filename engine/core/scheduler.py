@@ -26,6 +26,11 @@ to its ``num_output_placeholders``, so that the next plan runs that token (the w
 its own sample) though its id is not known here yet; ``update_from_output`` swaps the placeholder for
 the token. A request that step N finishes has run one more token in step N + 1, which nobody sees.
 A request whose placeholders already reach ``max_tokens`` or ``max_model_len`` is not planned again.
+With speculative decoding, a request whose last token is in flight gets the drafter's guesses for the
+tokens after it: the drafter's first token guesses the one in flight and is dropped, and the rest run
+after the placeholder (wrong guesses are rejected like any draft). A step with drafts is not planned
+behind: how many of them are accepted decides where its requests stand, so the engine core takes its
+tokens before it plans the next step.
 
 This package imports no torch.
 """
@@ -214,7 +219,8 @@ class Scheduler:
             plan.running_reqs.append(request)
             if request.spec_token_ids:
                 # The budget may cut the drafts short; those left out are dropped.
-                num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+                num_drafts = (request.num_computed_tokens + num_new_tokens - request.num_tokens
+                              - request.num_output_placeholders)
                 if num_drafts > 0:
                     plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
                 request.spec_token_ids = []
@@ -446,17 +452,22 @@ class Scheduler:
             return outputs
         max_model_len = self.config.max_model_len
         for request in self.running:
-            if request.is_finished or request.num_computed_tokens != request.num_tokens - 1:
-                continue  # finished this step, or still prefilling
+            request.spec_token_ids = []  # unused guesses of an earlier call (async scheduling) are stale now
+            num_in_flight = request.num_output_placeholders
+            if request.is_finished or request.num_computed_tokens != request.num_tokens + num_in_flight - 1:
+                continue  # finished this step, still prefilling, or running drafts in the step in flight
             if request.sampling_params.structured_outputs is not None:
                 continue  # grammars advance one sampled token per step: no drafts
             max_tokens = request.sampling_params.max_tokens or max_model_len
-            num_drafts = min(self.drafter.num_speculative_tokens,
-                             max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
+            num_drafts = min(self.drafter.num_speculative_tokens - num_in_flight,
+                             max_tokens - request.num_output_tokens - num_in_flight - 1,
+                             max_model_len - request.num_tokens - num_in_flight - 1)
             if num_drafts <= 0 or not self.draft_gate.allows(request.request_id):
                 continue
             try:
-                request.spec_token_ids = list(self.drafter.propose(request.all_token_ids)[:num_drafts])
+                # With a token in flight (async scheduling), the first guess is for that token: skip it.
+                guesses = self.drafter.propose(request.all_token_ids)[num_in_flight:]
+                request.spec_token_ids = list(guesses[:num_drafts])
             except Exception as exc:  # noqa: BLE001 - one request's fault must not stop the others
                 logger.exception("proposing drafts for request %s failed", request.request_id)
                 outputs.append(self._fail_request(request, repr(exc)))
