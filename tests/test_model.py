@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from benchmarks.step_metadata import build_metadata, step_positions
@@ -30,6 +31,7 @@ from pagedserve.engine.model.loader import (
     EMBEDDED_GGUF_FILE,
     ModelSource,
     gguf_cache_folder,
+    gguf_folder_name,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -271,3 +273,13 @@ def test_gguf_cache_is_keyed_by_content_not_by_file_times(fresh_cache_dir, tmp_p
     before = os.stat(converted).st_mtime_ns
     assert gguf_cache_folder(resolve_model_path(str(copy))).path == first.path
     assert os.stat(converted).st_mtime_ns == before  # not converted again
+
+
+def test_gguf_cache_is_keyed_by_the_transformers_version_too(monkeypatch):
+    """transformers writes the conversion (config.json records its version): after an upgrade, a folder
+    converted by the old version is not reused (a clean clone's new transformers met a cache from the old)."""
+    digest = "ab" * 32
+    name = gguf_folder_name(digest)
+    assert name.startswith(digest[:32]) and transformers.__version__ in name
+    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    assert gguf_folder_name(digest) != name

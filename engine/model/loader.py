@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import transformers
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -131,7 +132,8 @@ def gguf_cache_folder(source: ModelSource, with_weights: bool = True) -> ModelSo
     folder lives under ``$PAGEDSERVE_CACHE_DIR`` (default ``~/.cache/pagedserve``),
     keyed by the file's content (its SHA-256), so that the same file found
     through another venv, a reinstall or a copied container image layer (whose
-    modification times keep whole seconds) hits the same folder. It is
+    modification times keep whole seconds) hits the same folder, and by the
+    transformers version that converts it (``gguf_folder_name``). It is
     written to a temporary folder first so a crash never leaves a half-written
     cache. HF folders and hub models are returned unchanged.
 
@@ -147,10 +149,19 @@ def gguf_cache_folder(source: ModelSource, with_weights: bool = True) -> ModelSo
     if source.gguf_file is None:
         return source
     digest = _file_sha256(os.path.join(source.path, source.gguf_file))
-    folder = os.path.join(envs.PAGEDSERVE_CACHE_DIR, "gguf", digest[:32])
+    folder = os.path.join(envs.PAGEDSERVE_CACHE_DIR, "gguf", gguf_folder_name(digest))
     if not os.path.isfile(os.path.join(folder, "model.safetensors" if with_weights else "config.json")):
         _convert_gguf(source, folder, with_weights)
     return ModelSource(folder, None, source.display_name)
+
+
+def gguf_folder_name(sha256: str) -> str:
+    """The cache folder of a GGUF file with this SHA-256 (hex), converted by this transformers version.
+
+    transformers writes the folder: its version is in config.json, and its GGUF readers and tokenizer
+    converters change between releases. A folder converted by another version is not this version's
+    conversion: an upgrade converts again (about 30 s for the embedded model)."""
+    return f"{sha256[:32]}-transformers-{transformers.__version__}"
 
 
 def _file_sha256(path: str) -> str:
