@@ -70,16 +70,16 @@ def make_step(query_lens: list[int], context_lens: list[int], num_heads: int, bl
 
 
 def run_backend(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                common: AttentionMetadata, scale: float) -> torch.Tensor:
+                common: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """One layer of one step, the way the model runner drives a backend: build the metadata, then forward."""
     backend = get_attention_backend(name, kv_cache.shape[2])
-    return backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale)
+    return backend.forward(query, key, value, kv_cache, backend.build_metadata(common), scale, sliding_window)
 
 
-def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: list, scale: float
-                        ) -> torch.Tensor:
+def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: list, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
     """Causal GQA attention in float64, one request at a time: its query ``i`` after ``context`` cached tokens
-    sees keys ``0..context + i``."""
+    sees keys ``0..context + i``, or the last ``sliding_window`` of them."""
     out = torch.empty_like(query, dtype=torch.float64)
     group = query.shape[1] // NUM_KV_HEADS
     start = 0
@@ -88,7 +88,10 @@ def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: lis
         k = keys.repeat_interleave(group, dim=1)                  # [seq_len, H, D]
         v = values.repeat_interleave(group, dim=1)
         q = query[start:start + n].double()                       # [n, H, D]
-        visible = torch.arange(len(keys))[None, :] <= torch.arange(context, context + n)[:, None]
+        positions = torch.arange(context, context + n)[:, None]
+        visible = torch.arange(len(keys))[None, :] <= positions
+        if sliding_window is not None:
+            visible &= torch.arange(len(keys))[None, :] > positions - sliding_window
         scores = torch.einsum("nhd,khd->hnk", q, k) * scale
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + n] = torch.einsum("hnk,khd->nhd", probs, v)
@@ -109,6 +112,22 @@ def test_backend_matches_reference(scenario: str, queries_per_kv: int, block_siz
     out = run_backend(backend, query, key, value, kv_cache, metadata, scale)
 
     expected = reference_attention(query, query_lens, full_kv, scale)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# A window of one token (each query sees itself alone), windows ending mid-block, and one longer than some
+# of the sequences.
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("sliding_window", [1, 7, 20, 50])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_backend_with_a_sliding_window_matches_reference(scenario: str, sliding_window: int, backend: str) -> None:
+    query_lens, context_lens = SCENARIOS[scenario]
+    query, key, value, kv_cache, metadata, full_kv = make_step(query_lens, context_lens, NUM_KV_HEADS * 3, 16)
+    scale = HEAD_DIM ** -0.5
+
+    out = run_backend(backend, query, key, value, kv_cache, metadata, scale, sliding_window)
+
+    expected = reference_attention(query, query_lens, full_kv, scale, sliding_window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -238,10 +257,12 @@ def test_a_backend_on_a_device_it_does_not_run_on_is_refused_naming_the_setting(
         check_attention_backend("flash", "cpu")
 
 
+@pytest.mark.parametrize("sliding_window", [None, 21])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])  # the kernel's compile-time specialisations
 @pytest.mark.parametrize("num_decodes", [1, 5])  # fewer requests than threads: split by kv head
-def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dtype: torch.dtype) -> None:
+def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dtype: torch.dtype,
+                                             sliding_window: int | None) -> None:
     from pagedserve.engine.model.cpu_attention import paged_decode_attention
 
     context_lens = [5, 40, 16, 33, 70][:num_decodes]
@@ -250,8 +271,9 @@ def test_cpu_decode_kernel_at_real_head_dims(num_decodes: int, head_dim: int, dt
     kv_cache.view(2, -1, NUM_KV_HEADS, head_dim)[:, metadata.slot_mapping] = torch.stack([key, value])
     query, kv_cache = query.to(dtype), kv_cache.to(dtype)
     full_kv = [(k.to(dtype).double(), v.to(dtype).double()) for k, v in full_kv]
-    out = paged_decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens + 0, head_dim ** -0.5)
-    expected = reference_attention(query, [1] * num_decodes, full_kv, head_dim ** -0.5)
+    out = paged_decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens + 0, head_dim ** -0.5,
+                                 sliding_window=sliding_window)
+    expected = reference_attention(query, [1] * num_decodes, full_kv, head_dim ** -0.5, sliding_window)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
@@ -285,7 +307,7 @@ PREFILL_KERNEL_STEP = ([200, 7, 70], [0, 37, 130])
 
 
 def check_prefill_kernel(queries_per_kv: int, head_dim: int, dtype: torch.dtype, amx: bool,
-                         extra_flags: tuple[str, ...] = ()) -> None:
+                         extra_flags: tuple[str, ...] = (), sliding_window: int | None = None) -> None:
     """The prefill kernel on ``PREFILL_KERNEL_STEP`` against ``reference_attention``."""
     from pagedserve.engine.model.cpu_attention import paged_prefill_attention, prefill_kernel_amx
 
@@ -302,11 +324,11 @@ def check_prefill_kernel(queries_per_kv: int, head_dim: int, dtype: torch.dtype,
         pytest.skip("this CPU has no AMX")
     try:
         prefill_kernel_amx(amx)
-        out = paged_prefill_attention(query, kv_cache, prefills, head_dim ** -0.5, extra_flags)
+        out = paged_prefill_attention(query, kv_cache, prefills, head_dim ** -0.5, extra_flags, sliding_window)
     finally:
         prefill_kernel_amx(True)
     assert out is not None and out.dtype == dtype  # the kernel ran: no silent torch fallback
-    expected = reference_attention(query, query_lens, full_kv, head_dim ** -0.5)
+    expected = reference_attention(query, query_lens, full_kv, head_dim ** -0.5, sliding_window)
     # bf16: the output's own rounding (2^-9 relative), plus on AMX the probabilities' (measured 4e-3 abs).
     tolerance = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
@@ -323,10 +345,23 @@ def test_cpu_prefill_kernel_matches_reference(queries_per_kv: int, head_dim: int
     check_prefill_kernel(queries_per_kv, head_dim, dtype, amx)
 
 
+@pytest.mark.parametrize(("dtype", "amx"), [pytest.param(torch.float32, False, id="float32"),
+                                           pytest.param(torch.bfloat16, False, id="bfloat16-avx"),
+                                           pytest.param(torch.bfloat16, True, id="bfloat16-amx")])
+@pytest.mark.parametrize("sliding_window", [1, 50, 100])
+def test_cpu_prefill_kernel_with_a_sliding_window_matches_reference(sliding_window: int, dtype: torch.dtype,
+                                                                    amx: bool) -> None:
+    """Windows narrower than a key tile (64), so that a query tile's first key tile hides every key from
+    its later rows, and wider: tiles masked at the window's edge as well as at the diagonal."""
+    check_prefill_kernel(3, 64, dtype, amx, sliding_window=sliding_window)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cpu_prefill_kernel_built_for_an_avx2_only_cpu(dtype: torch.dtype) -> None:
-    """-march=haswell: 8-float vectors and no AMX, the code an AVX2 machine compiles."""
+    """-march=haswell: 8-float vectors and no AMX, the code an AVX2 machine compiles (with and without a
+    sliding window)."""
     check_prefill_kernel(3, 64, dtype, amx=False, extra_flags=("-march=haswell",))
+    check_prefill_kernel(3, 64, dtype, amx=False, extra_flags=("-march=haswell",), sliding_window=50)
 
 
 def test_cpu_prefill_kernel_refuses_shapes_it_lacks_and_the_backend_falls_back() -> None:

@@ -193,6 +193,41 @@ def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path,
     assert actual == expected
 
 
+# Tiny models whose 8-token windows the prompts outrun: Mistral's on every layer, Qwen2's from layer 1 on
+# (``max_window_layers``).
+SLIDING_WINDOW_MODELS = {
+    "mistral": {"sliding_window": 8},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+}
+
+
+@pytest.mark.parametrize("attention_backend", ["cpu", "torch"])
+@pytest.mark.parametrize("model_type", sorted(SLIDING_WINDOW_MODELS))
+def test_sliding_window_models_match_transformers_past_the_window(model_type, attention_backend, tmp_path,
+                                                                  tokenizer):
+    """Regression: the window was ignored (with a warning) and tokens parted from transformers' past it.
+    Prompts of 3-70 tokens, prefilled in chunks of 16; the last prompt shares 40 tokens with another and comes
+    after it, so it reads cached blocks (prefix caching); decodes run the fused decode on the cpu backend."""
+    hf = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=False, **SLIDING_WINDOW_MODELS[model_type])
+    tokenizer.save_pretrained(tmp_path)
+    shared = [(5 * k) % 250 + 3 for k in range(40)]
+    prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(n)] for i, n in enumerate([3, 20, 70])]
+    prompts += [shared + [9, 10, 11], shared + [12, 13]]
+    full_attention = tiny_hf_model(model_type, tmp_path / "full", tie_word_embeddings=False)  # same weights
+    with torch.inference_mode():
+        expected = hf_greedy(hf, prompts, 24)
+        assert hf_greedy(full_attention, prompts[2:3], 24) != expected[2:3]  # the window changes the answer
+    llm = LLM(str(tmp_path), max_model_len=128, block_size=16, long_prefill_token_threshold=16,
+              kv_cache_memory_bytes="8MiB", attention_backend=attention_backend)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    actual = [o.outputs[0].token_ids for o in llm.generate(prompts[:-1], params, use_tqdm=False)]
+    actual += [o.outputs[0].token_ids for o in llm.generate(prompts[-1:], params, use_tqdm=False)]
+
+    assert llm.engine_core.make_stats().prefix_cache_hits >= 32
+    assert actual == expected
+
+
 def test_invalid_requests_are_refused_naming_the_field_before_anything_is_queued():
     from pagedserve.engine.errors import InvalidRequestError
 

@@ -94,9 +94,10 @@ def make_step(
 
 def reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float,
+    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive paged attention: fp64, one request at a time, K/V gathered through the block table.
+    """Naive paged attention: fp64, one request at a time, K/V gathered through the block table; a query sees
+    keys up to its position, the last ``sliding_window`` of them when one is given.
 
     Returns:
         The expected output ``[T, Hq, D]`` (fp64) and the expected cache after the write.
@@ -118,17 +119,22 @@ def reference(
         q = query[start:end].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len)
-        scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= pos[None, :] <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out, cache
 
 
-def check_against_reference(query_lens: list[int], context_lens: list[int], **kwargs) -> None:
+def check_against_reference(query_lens: list[int], context_lens: list[int], sliding_window: int | None = None,
+                            **kwargs) -> None:
     """Run the Triton backend on one step and compare output and cache with ``reference``."""
     query, key, value, kv_cache, metadata = make_step(query_lens, context_lens, **kwargs)
     scale = query.shape[-1] ** -0.5
-    expected_out, expected_cache = reference(query, key, value, kv_cache, metadata, scale)
-    out = TritonAttentionBackend(kv_cache.shape[2]).forward(query, key, value, kv_cache, metadata, scale)
+    expected_out, expected_cache = reference(query, key, value, kv_cache, metadata, scale, sliding_window)
+    out = TritonAttentionBackend(kv_cache.shape[2]).forward(query, key, value, kv_cache, metadata, scale,
+                                                            sliding_window)
     tol = TOLERANCE[query.dtype]
     assert out.dtype == query.dtype
     torch.testing.assert_close(out.double(), expected_out, atol=tol, rtol=tol)
@@ -160,6 +166,13 @@ def test_mixed_prefill_chunks_and_decodes(queries_per_kv: int, block_size: int) 
     # A chunk with prior context, a decode, a fresh prefill, a decode.
     check_against_reference([20, 1, 9, 1], [13, 47, 0, 15], queries_per_kv=queries_per_kv,
                             block_size=block_size)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 40])
+def test_sliding_window(sliding_window: int) -> None:
+    # Windows of one token, ending mid-tile, and wider than a key tile (32), over chunks with and without
+    # context and decodes.
+    check_against_reference([20, 1, 70, 1], [13, 47, 0, 15], queries_per_kv=3, sliding_window=sliding_window)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -96,6 +96,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Causal paged attention for a mixed batch of prefill chunks and decodes.
 
@@ -109,10 +110,13 @@ class AttentionBackend(ABC):
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
             metadata: the step's layout, as ``build_metadata`` returned it.
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            sliding_window: the layer's window W in tokens, or None for full attention: a query at
+                position p then sees only keys at positions ``p - W + 1 .. p`` (Beltagy et al. 2020,
+                arXiv:2004.05150; transformers' ``sliding_window`` means the same).
 
         Returns:
             ``[T, num_heads, head_dim]``: each query token attends to its
-            request's tokens at positions ``<=`` its own.
+            request's tokens at positions ``<=`` its own (within the window).
         """
 
 

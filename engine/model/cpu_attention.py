@@ -61,25 +61,26 @@ def load_kernel() -> ctypes.CDLL | None:
         function = getattr(lib, entry)
         function.restype = ctypes.c_int
         function.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-                             + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float])
+                             + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int64])
     return lib
 
 
 def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float,
-                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                           ) -> torch.Tensor | None:
+                           new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor | None:
     """Attention of one query token per request over its paged keys and values.
 
     Args:
         query: ``[num_reqs, num_heads, head_dim]`` on the CPU, any float dtype.
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` float32 or bfloat16, contiguous.
         block_table: ``[num_reqs, max_blocks]`` int32, contiguous.
-        seq_lens: ``[num_reqs]`` int32, keys each query attends to (>= 1).
+        seq_lens: ``[num_reqs]`` int32, each request's keys, its query's included (>= 1).
         scale: softmax scale.
         new_kv: the step's ``(key, value, slot_mapping)`` to write into the cache first: ``[num_reqs,
             num_kv_heads, head_dim]`` each in the cache's dtype, heads contiguous (rows may be further apart,
             as in a view of the QKV output), and ``[num_reqs]`` int64 slots. None: already in the cache.
+        sliding_window: each query attends to its request's last ``sliding_window`` keys; None: all of them.
 
     Returns:
         ``[num_reqs, num_heads, head_dim]`` in the query's dtype, or None when the
@@ -108,7 +109,7 @@ def paged_decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     status = getattr(lib, entry)(
         query_f32.data_ptr(), new_keys, new_values, keys_stride, values_stride, slots, cache, cache + values_offset,
         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), num_reqs, num_heads,
-        num_kv_heads, head_dim, block_size, scale)
+        num_kv_heads, head_dim, block_size, scale, sliding_window or 0)
     if status != 0:
         _warn_unsupported(num_heads // num_kv_heads, head_dim, block_size)
         return None
@@ -144,7 +145,7 @@ def load_prefill_kernel(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None
         function = getattr(lib, entry)
         function.restype = ctypes.c_int
         function.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-                             + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float])
+                             + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64])
     lib.paged_prefill_attention_amx.restype = ctypes.c_int
     lib.paged_prefill_attention_amx.argtypes = [ctypes.c_int]
     return lib
@@ -161,12 +162,13 @@ def prefill_kernel_amx(enable: bool | None = None) -> bool:
 
 
 def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefills: PrefillBatch, scale: float,
-                            extra_flags: tuple[str, ...] = ()) -> torch.Tensor | None:
+                            extra_flags: tuple[str, ...] = (), sliding_window: int | None = None
+                            ) -> torch.Tensor | None:
     """Causal attention of every prefill chunk of a step over its paged keys and values.
 
     The chunks' keys and values must already be in the cache. Query ``i`` of a
     chunk of ``n`` tokens sits at position ``seq_len - n + i`` and sees the
-    request's keys ``0..seq_len - n + i``.
+    request's keys ``0..seq_len - n + i`` (the last ``sliding_window`` of them when one is given).
 
     Args:
         query: ``[T, num_heads, head_dim]`` on the CPU, any float dtype: the step's flattened batch. In the
@@ -175,6 +177,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefill
         prefills: where the chunks' rows are, their lengths and block table rows (int32).
         scale: softmax scale.
         extra_flags: of the build to run (``load_prefill_kernel``).
+        sliding_window: keys each query sees, its own included; None: all before it.
 
     Returns:
         ``[T, num_heads, head_dim]`` in the query's dtype, zeros outside the
@@ -195,7 +198,7 @@ def paged_prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, prefill
         rows.data_ptr(), rows.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
         block_table.stride(0), prefills.row_starts.data_ptr(), prefills.query_lens.data_ptr(),
         prefills.seq_lens.data_ptr(), out.data_ptr(), num_tokens, len(prefills.row_starts), num_heads, num_kv_heads,
-        head_dim, block_size, scale)
+        head_dim, block_size, scale, sliding_window or 0)
     if status != 0:
         _warn_prefill_unsupported(num_heads // num_kv_heads, head_dim)
         return None
@@ -237,6 +240,7 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """See ``TorchAttentionBackend.forward``."""
         # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
@@ -246,20 +250,24 @@ class CpuAttentionBackend(AttentionBackend):
                 # itself, a few tensor ops fewer per layer than the torch backend's plan.
                 decodes = metadata.decodes
                 out = paged_decode_attention(query, kv_cache, decodes.block_table, decodes.seq_lens, scale,
-                                             (key, value, metadata.slot_mapping))
+                                             (key, value, metadata.slot_mapping), sliding_window)
                 if out is not None:
                     return out
-            return self._torch.run(query, key, value, kv_cache, metadata, scale, self._decode, self._prefill)
+            return self._torch.run(query, key, value, kv_cache, metadata, scale, sliding_window, self._decode,
+                                   self._prefill)
 
     def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, sliding_window: int | None) -> torch.Tensor:
         """A ``DecodeFn``: the C kernel, or the torch path when the kernel is unavailable or refuses the shapes."""
         decodes = metadata.decodes
-        out = paged_decode_attention(query, kv_cache, decodes.block_table, decodes.seq_lens, scale)
-        return out if out is not None else self._torch.decode(query, kv_cache, metadata, scale)
+        out = paged_decode_attention(query, kv_cache, decodes.block_table, decodes.seq_lens, scale,
+                                     sliding_window=sliding_window)
+        return out if out is not None else self._torch.decode(query, kv_cache, metadata, scale, sliding_window)
 
     def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                 metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
         """A ``PrefillFn``: the C kernel, or the torch path when the kernel is unavailable or refuses the shapes."""
-        out = paged_prefill_attention(query, kv_cache, metadata.prefill_batch, scale)
-        return out if out is not None else self._torch.prefill(query, key, value, kv_cache, metadata, scale)
+        out = paged_prefill_attention(query, kv_cache, metadata.prefill_batch, scale, sliding_window=sliding_window)
+        if out is None:
+            out = self._torch.prefill(query, key, value, kv_cache, metadata, scale, sliding_window)
+        return out

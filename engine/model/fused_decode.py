@@ -62,9 +62,9 @@ _KIND_DENSE = 2
 class _Layer(ctypes.Structure):
     """``fused_layer_t``."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in (
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
         "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "gate_up_bias", "down_bias", "input_norm",
-        "post_norm", "key_cache", "value_cache")]
+        "post_norm", "key_cache", "value_cache")), ("window", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -121,7 +121,8 @@ class FusedDecoder:
             layers.append(_Layer(*(self._weight_handle(m) for m in modules),
                                  *(_pointer(m.bias, self.dtype) for m in modules),
                                  _pointer(layer.input_layernorm.weight, self.dtype),
-                                 _pointer(layer.post_attention_layernorm.weight, self.dtype), None, None))
+                                 _pointer(layer.post_attention_layernorm.weight, self.dtype), None, None,
+                                 attn.sliding_window or 0))
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Model(len(layers), first.input_layernorm.weight.shape[0], first.mlp.down_proj.input_size,
                              attention.num_heads, attention.num_kv_heads, attention.head_dim,

@@ -15,14 +15,15 @@ together are stored fused so that each runs as one matmul: ``q_proj``,
 ``llama.py`` (``pagedserve.engine.model.linear``); each parameter's weight loader copies
 its rank's slice of a checkpoint tensor into its place.
 
-Not implemented: sliding-window attention (Mistral v0.1, Qwen2 with
-``use_sliding_window``); such models attend to their full context, which
-equals the reference only for sequences within the window (a warning says so).
+Sliding-window attention (Mistral v0.1; Qwen2 and Qwen3 with
+``use_sliding_window``, on the layers from ``max_window_layers`` on) is each
+layer's ``sliding_window`` (``layer_windows``), honoured by every attention
+backend. The KV cache still keeps every block of such a layer, including those
+wholly before its window.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -40,8 +41,6 @@ from pagedserve.engine.model.registry import CausalLM
 from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class ArchFlags:
@@ -57,16 +56,34 @@ def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window in tokens, None for full attention.
+
+    transformers' convention: ``layer_types`` names the sliding layers where the config has it (Qwen2 and Qwen3,
+    whose config clears ``sliding_window`` unless ``use_sliding_window``); without it (Mistral) a
+    ``sliding_window`` applies to every layer.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * config.num_hidden_layers
+    if layer_types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
 class LlamaAttention(nn.Module):
     """Rotary grouped-query self-attention over the paged KV cache, on this rank's heads.
 
     Attributes:
         num_heads, num_kv_heads: query and KV heads on this rank (see ``QKVParallelLinear``).
+        sliding_window: keys each query sees, its own included; None: all before it.
     """
 
     def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
-                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
+                 linear_method: LinearMethodBase, tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.head_dim = _head_dim(config)
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
@@ -92,7 +109,7 @@ class LlamaAttention(nn.Module):
             qk = self.qk_norm(qk)
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
-                                   attn_metadata, self.scale)
+                                   attn_metadata, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -100,10 +117,11 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
     def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
-                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
+                 linear_method: LinearMethodBase, tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, flags, backend, linear_method=linear_method, tp=tp)
+        self.self_attn = LlamaAttention(config, flags, backend, linear_method=linear_method, tp=tp,
+                                        sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias,
                             linear_method=linear_method, tp=tp)
@@ -133,8 +151,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend, linear_method=linear_method, tp=tp)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend, linear_method=linear_method, tp=tp,
+                                                      sliding_window=window)
+                                    for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -183,10 +202,6 @@ class LlamaForCausalLM(CausalLM):
         self.head_dim = _head_dim(config)
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < config.max_position_embeddings:
-            logger.warning("sliding-window attention (window %d) is not implemented: sequences longer "
-                           "than %d tokens attend to their full context", window, window)
         self.attn_backend = get_attention_backend(attn_backend, block_size)
         self.model = LlamaModel(config, flags, self.attn_backend, linear_method=linear_method, tp=tp)
         attention = self.model.layers[0].self_attn

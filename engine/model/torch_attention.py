@@ -29,8 +29,7 @@ probability, and ``0 * nan`` would poison the output.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from functools import cached_property
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -50,18 +49,23 @@ class PrefillChunk:
     seq_len: int  # keys its last token sees: the earlier context plus this chunk
     # With earlier context only (None otherwise: keys come from this step's key/value):
     blocks: torch.Tensor | None  # [num_blocks] int64 ids covering the sequence
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @cached_property
-    def mask(self) -> torch.Tensor:
-        """``[chunk_len, seq_len]`` bool, True where a query sees a key (chunks with context only).
+    def mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+        """``[chunk_len, seq_len]`` bool, True where a query sees a key: query i sits at position
+        ``context_len + i`` and sees keys ``0..context_len + i``, or the last ``sliding_window`` of them.
 
-        Built on first use, so once per step (every layer shares the metadata) and never by a backend
-        that attends without it (the CPU backend's kernel: 16 MB for a 2048-token chunk of an 8k prompt).
+        Built on first use per window, so once per step (every layer shares the metadata) and never by a
+        backend that attends without it (the CPU backend's kernel: 16 MB for a 2048-token chunk of an 8k prompt).
         """
-        # Query i sits at position context_len + i and sees keys 0..context_len + i.
-        device = self.blocks.device
-        rows = torch.arange(self.seq_len - (self.end - self.start), self.seq_len, device=device)
-        return torch.arange(self.seq_len, device=device)[None, :] <= rows[:, None]
+        if (mask := self._masks.get(sliding_window)) is None:
+            rows = torch.arange(self.seq_len - (self.end - self.start), self.seq_len, device=device)[:, None]
+            keys = torch.arange(self.seq_len, device=device)[None, :]
+            mask = keys <= rows
+            if sliding_window is not None:
+                mask &= keys > rows - sliding_window
+            self._masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -83,6 +87,18 @@ class DecodeBatch:
     mask: torch.Tensor         # [num_decodes, 1, 1, keys] bool, True where a key is attended
     block_table: torch.Tensor  # [num_decodes, max_blocks] int32 block table rows, contiguous
     seq_lens: torch.Tensor     # [num_decodes] int32, contiguous
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``mask``, keeping only each request's last ``sliding_window`` keys (None: ``mask`` itself); built
+        once per step and window."""
+        if sliding_window is None:
+            return self.mask
+        if (mask := self._window_masks.get(sliding_window)) is None:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask & (keys[None, :] >= (self.seq_lens[:, None] - sliding_window))[:, None, None, :]
+            self._window_masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -104,12 +120,13 @@ class TorchAttentionMetadata(AttentionMetadata):
         return self.all_decode and query.shape[0] == self.num_actual_tokens
 
 
-#: Attention of the one-token queries: (query [num_decodes, H, D], kv_cache, metadata, scale) -> same shape.
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, TorchAttentionMetadata, float], torch.Tensor]
-#: Attention of the prefill chunks: (query [T, H, D], key, value, kv_cache, metadata, scale) -> [T, H, D],
-#: zeros outside the chunks' rows.
-PrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, TorchAttentionMetadata, float],
-                     torch.Tensor]
+#: Attention of the one-token queries: (query [num_decodes, H, D], kv_cache, metadata, scale, sliding_window)
+#: -> same shape.
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, TorchAttentionMetadata, float, int | None], torch.Tensor]
+#: Attention of the prefill chunks: (query [T, H, D], key, value, kv_cache, metadata, scale, sliding_window)
+#: -> [T, H, D], zeros outside the chunks' rows.
+PrefillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, TorchAttentionMetadata, float,
+                      int | None], torch.Tensor]
 
 
 @register_backend("torch")
@@ -131,7 +148,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         """Split the step's requests into decodes and prefill chunks, with their block ids and the decodes'
-        key mask (a chunk's causal mask is built on first use: ``PrefillChunk.mask``)."""
+        key mask (a chunk's causal mask is built on first use: ``PrefillChunk.mask``; windowed masks too)."""
         block_size = self.block_size
         device = common.block_table.device
         starts = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
@@ -177,6 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``; rows past ``num_actual_tokens`` are left as zeros.
 
@@ -185,10 +203,11 @@ class TorchAttentionBackend(AttentionBackend):
         """
         # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
         with region("attention"), all_threads():
-            return self.run(query, key, value, kv_cache, metadata, scale, self.decode, self.prefill)
+            return self.run(query, key, value, kv_cache, metadata, scale, sliding_window, self.decode, self.prefill)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-            metadata: TorchAttentionMetadata, scale: float, decode: DecodeFn, prefill: PrefillFn) -> torch.Tensor:
+            metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None, decode: DecodeFn,
+            prefill: PrefillFn) -> torch.Tensor:
         """``forward``'s work with the decodes attended by ``decode`` and the prefill chunks by ``prefill``
         (how the CPU backend reuses it)."""
         if kv_cache.shape[2] != self.block_size:
@@ -201,11 +220,12 @@ class TorchAttentionBackend(AttentionBackend):
         slots[1].index_copy_(0, metadata.slot_mapping[:num_tokens], value[:num_tokens])
 
         if metadata.decode_only(query):
-            return decode(query, kv_cache, metadata, scale)
-        output = prefill(query, key, value, kv_cache, metadata, scale) if metadata.prefills else torch.zeros_like(query)
+            return decode(query, kv_cache, metadata, scale, sliding_window)
+        output = (prefill(query, key, value, kv_cache, metadata, scale, sliding_window) if metadata.prefills
+                  else torch.zeros_like(query))
         if metadata.decodes is not None:
             rows = metadata.decodes.rows
-            output[rows] = decode(query[rows], kv_cache, metadata, scale)
+            output[rows] = decode(query[rows], kv_cache, metadata, scale, sliding_window)
         return output
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -229,7 +249,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(2, -1, num_kv_heads, head_dim)
 
     def decode(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: TorchAttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Attention of every one-token query at once (a ``DecodeFn``).
 
         Args:
@@ -243,11 +263,11 @@ class TorchAttentionBackend(AttentionBackend):
         q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kv = self._gather(kv_cache, metadata.decodes.blocks).view(2, num_decodes, -1, num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                             attn_mask=metadata.decodes.mask, scale=scale)
+                                             attn_mask=metadata.decodes.window_mask(sliding_window), scale=scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Attention of every prefill chunk, one at a time (a ``PrefillFn``).
 
         Returns:
@@ -255,18 +275,24 @@ class TorchAttentionBackend(AttentionBackend):
         """
         output = torch.zeros_like(query)
         for chunk in metadata.prefills:
-            output[chunk.start:chunk.end] = self._prefill(query, key, value, kv_cache, chunk, scale)
+            output[chunk.start:chunk.end] = self._prefill(query, key, value, kv_cache, chunk, scale, sliding_window)
         return output
 
-    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 kv_cache: torch.Tensor, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+    def _prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 chunk: PrefillChunk, scale: float, sliding_window: int | None) -> torch.Tensor:
         """Causal attention of one request's chunk: ``[chunk_len, num_heads, head_dim]``."""
         q = query[chunk.start:chunk.end].transpose(0, 1)
+        # A window at least the sequence's length hides nothing.
+        window = sliding_window if sliding_window is not None and sliding_window < chunk.seq_len else None
         if chunk.blocks is None:
             k, v = key[chunk.start:chunk.end].transpose(0, 1), value[chunk.start:chunk.end].transpose(0, 1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            if window is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask(window, q.device), scale=scale,
+                                                     enable_gqa=True)
             return out.transpose(0, 1)
         kv = self._gather(kv_cache, chunk.blocks)[:, :chunk.seq_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask, scale=scale,
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask(window, q.device), scale=scale,
                                              enable_gqa=True)
         return out.transpose(0, 1)

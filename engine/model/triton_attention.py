@@ -49,6 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into ``kv_cache``, then attend causally over each request's blocks.
 
@@ -60,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
             kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, same dtype.
             metadata: the step's layout.
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            sliding_window: keys each query sees, its own included (``AttentionBackend.forward``); None: all.
 
         Returns:
             ``[T, num_heads, head_dim]`` in the query's dtype. Rows past
@@ -83,5 +85,5 @@ class TritonAttentionBackend(AttentionBackend):
             if num_tokens == 0:
                 return out
             self._kernels.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
-            self._kernels.paged_attention(out, query, kv_cache, metadata, scale)
+            self._kernels.paged_attention(out, query, kv_cache, metadata, scale, sliding_window)
             return out

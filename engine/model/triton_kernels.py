@@ -36,6 +36,8 @@ from pagedserve.engine.model.attention import AttentionMetadata
 
 # Keys per inner-loop iteration of the attention kernel; independent of the KV block size.
 _TILE_N = 32
+#: The window of a full-attention layer: longer than any sequence, so it hides nothing (one kernel serves both).
+_NO_WINDOW = 1 << 30
 # triton.jit reads TRITON_INTERPRET when it decorates the kernels below, so read it at import too.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -90,7 +92,7 @@ def _find_request(query_start_loc, q_block, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-    scale, num_reqs,
+    scale, num_reqs, window,
     stride_q_tok, stride_q_head, stride_q_d,
     stride_o_tok, stride_o_head, stride_o_d,
     stride_c_blk, stride_c_slot, stride_c_head, stride_c_d,
@@ -128,9 +130,11 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    # Keys past the last query position of this tile are masked for every row: skip them.
+    # Keys past the last query position of this tile are masked for every row, and so are those before the
+    # first row's window (``window`` keys, its own included): skip them.
     kv_len = tl.minimum(seq_len, context_len + (q_block_local + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_len, TILE_N):
+    kv_first = tl.maximum(context_len + q_block_local * BLOCK_Q - window + 1, 0)
+    for kv_start in range(kv_first, kv_len, TILE_N):
         k_pos = kv_start + offs_n
         k_valid = k_pos < kv_len
         block_id = tl.load(block_table + req * stride_bt_req + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
@@ -140,7 +144,8 @@ def _paged_attention_kernel(
         k = tl.load(key_cache + slot_off[None, :] + offs_d[:, None] * stride_c_d,
                     mask=k_valid[None, :] & d_valid[:, None], other=0.0)
         s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible & k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no visible key keeps m = -inf; exp(-inf - -inf) would be NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -188,7 +193,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float) -> None:
+                    scale: float, sliding_window: int | None = None) -> None:
     """Causal attention of the first ``metadata.num_actual_tokens`` rows of ``query`` into ``out``.
 
     Args:
@@ -197,6 +202,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
         kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, this step's K/V already written.
         metadata: the step's layout.
         scale: softmax scale.
+        sliding_window: keys each query sees, its own included; None: all before it.
     """
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
@@ -211,7 +217,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     grid = (metadata.num_actual_tokens // block_q + metadata.num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
-        metadata.seq_lens, scale, metadata.num_reqs,
+        metadata.seq_lens, scale, metadata.num_reqs, sliding_window or _NO_WINDOW,
         *query.stride(), *out.stride(), *key_cache.stride(), metadata.block_table.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=_TILE_N,

@@ -54,6 +54,7 @@ typedef struct {
     const void *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* [out_features], or NULL */
     const void *input_norm, *post_norm;                        /* [hidden_size] */
     void *key_cache, *value_cache;
+    int64_t window; /* sliding-window attention over the last `window` keys; 0: all of them */
 } fused_layer_t;
 
 typedef struct {
@@ -161,8 +162,8 @@ static inline __attribute__((always_inline)) void attention_task(const fused_mod
     float q[MAX_QUERY], out[MAX_QUERY];
     const int64_t first = h * group * head_dim, last = first + group * head_dim;
     for (int64_t i = first; i < last; i++) q[i] = LOAD(row, i, bf16);
-    attend_task(q, layer->key_cache, layer->value_cache, block_table + r * block_table_stride, seq_lens[r], out,
-                m->num_heads, m->num_kv_heads, head_dim, m->block_size, m->scale, h, h + 1);
+    attend_task(q, layer->key_cache, layer->value_cache, block_table + r * block_table_stride, seq_lens[r],
+                layer->window, out, m->num_heads, m->num_kv_heads, head_dim, m->block_size, m->scale, h, h + 1);
     char *dst = attn + es * r * nq;
     for (int64_t i = first; i < last; i++) STORE(dst, i, out[i], bf16);
     if (m->quantized) quantize_blocks(dst, bf16, r, nq, first / QK, last / QK, a);

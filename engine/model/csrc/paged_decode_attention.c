@@ -21,7 +21,8 @@
  *                elements apart: written at slots [num_reqs] int64 before attending; NULL: none
  *   key/value    [num_blocks, block_size, num_kv_heads, head_dim] fp32 or bf16
  *   block_table  [num_reqs, block_table_stride] int32
- *   seq_lens     [num_reqs] int32 (keys to attend, >= 1)
+ *   seq_lens     [num_reqs] int32 (the request's keys, this token's included, >= 1)
+ *   window       sliding-window attention: each query sees its request's last `window` keys; 0: all of them
  *   out          [num_reqs, num_heads, head_dim] fp32
  * Both entry points return 0, or -1 when the shapes exceed the fixed buffers (and
  * then have written nothing).
@@ -73,16 +74,18 @@ static int decode_shapes_ok(int64_t num_heads, int64_t num_kv_heads, int64_t hea
 }
 
 /*
- * One task: a request's query heads of kv heads [h_begin, h_end) over its seq_len cached keys and values.
+ * One task: a request's query heads of kv heads [h_begin, h_end) over its cached keys and values: the last
+ * `window` of its seq_len ones (0: all), the keys a sliding-window layer sees (Beltagy et al. 2020,
+ * arXiv:2004.05150; Mistral 7B's, Jiang et al. 2023, arXiv:2310.06825).
  * query and out: the request's [num_heads, head_dim] fp32 rows (only the task's heads are read and written);
  * blocks: its block table row. `bf16` and usually `head_dim` are compile-time constants at each call.
  */
 static inline __attribute__((always_inline)) void attend_heads(const float *query, const void *key_cache,
                                                                const void *value_cache, const int32_t *blocks,
-                                                               int64_t seq_len, float *out, int64_t num_heads,
-                                                               int64_t num_kv_heads, int64_t head_dim,
-                                                               int64_t block_size, float scale, int64_t h_begin,
-                                                               int64_t h_end, int bf16) {
+                                                               int64_t seq_len, int64_t window, float *out,
+                                                               int64_t num_heads, int64_t num_kv_heads,
+                                                               int64_t head_dim, int64_t block_size, float scale,
+                                                               int64_t h_begin, int64_t h_end, int bf16) {
     const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * head_dim;
     /* Query heads [first, last) of the task, then per query head: the scaled query, the output
        accumulator and the online-softmax state (indexed by query head over the whole request). */
@@ -97,8 +100,11 @@ static inline __attribute__((always_inline)) void attend_heads(const float *quer
         running_max[i] = -1e30f; /* not -INFINITY: -ffast-math assumes finite values */
         denom[i] = 0.0f;
     }
-    for (int64_t start = 0; start < seq_len; start += block_size) {
+    /* The first key seen, and the first block holding it; t0 of that block's rows come before it. */
+    const int64_t first_key = window > 0 && seq_len > window ? seq_len - window : 0;
+    for (int64_t start = first_key / block_size * block_size; start < seq_len; start += block_size) {
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const int64_t t0 = first_key > start ? first_key - start : 0;
         const int64_t block = blocks[start / block_size];
         /* The next block is elsewhere in memory, where no hardware prefetcher looks: each row read
            below asks for the same row of the next block, a block's work ahead of its use. */
@@ -111,7 +117,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *quer
             float *maxh = running_max + h * group, *denomh = denom + h * group;
             for (int64_t g = 0; g < group; g++) block_max[g] = maxh[g];
             /* Each key row is widened once and serves every query head of the group. */
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 if (next_block >= 0) prefetch_row(key_cache, next_base + t * token_stride, head_dim, bf16);
                 widen(&row, key_cache, base + t * token_stride, head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
@@ -127,7 +133,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *quer
                 const float correction = expf(maxh[g] - block_max[g]);
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-                for (int64_t t = 0; t < n; t++) {
+                for (int64_t t = t0; t < n; t++) {
                     scores[g][t] = expf(scores[g][t] - block_max[g]);
                     sum += scores[g][t];
                 }
@@ -137,7 +143,7 @@ static inline __attribute__((always_inline)) void attend_heads(const float *quer
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; d++) accg[d] *= correction;
             }
-            for (int64_t t = 0; t < n; t++) {
+            for (int64_t t = t0; t < n; t++) {
                 if (next_block >= 0) prefetch_row(value_cache, next_base + t * token_stride, head_dim, bf16);
                 widen(&row, value_cache, base + t * token_stride, head_dim, bf16);
                 for (int64_t g = 0; g < group; g++) {
@@ -159,16 +165,17 @@ static inline __attribute__((always_inline)) void attend_heads(const float *quer
  * time lets the compiler unroll the per-row loops into whole vectors, and the fused decode (fused_decode.c)
  * calls the very same code, so that both paths agree bit for bit. */
 typedef void (*attend_fn)(const float *query, const void *key_cache, const void *value_cache, const int32_t *blocks,
-                          int64_t seq_len, float *out, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t block_size, float scale, int64_t h_begin, int64_t h_end);
+                          int64_t seq_len, int64_t window, float *out, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, float scale, int64_t h_begin, int64_t h_end);
 #define ATTEND_HEADS(NAME, HEAD_DIM, BF16)                                                                        \
     __attribute__((noinline)) static void NAME(const float *query, const void *key_cache, const void *value_cache, \
-                                               const int32_t *blocks, int64_t seq_len, float *out,                \
-                                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,         \
-                                               int64_t block_size, float scale, int64_t h_begin, int64_t h_end) { \
+                                               const int32_t *blocks, int64_t seq_len, int64_t window,            \
+                                               float *out, int64_t num_heads, int64_t num_kv_heads,               \
+                                               int64_t head_dim, int64_t block_size, float scale,                 \
+                                               int64_t h_begin, int64_t h_end) {                                  \
         (void)head_dim;                                                                                           \
-        attend_heads(query, key_cache, value_cache, blocks, seq_len, out, num_heads, num_kv_heads, HEAD_DIM,      \
-                     block_size, scale, h_begin, h_end, BF16);                                                    \
+        attend_heads(query, key_cache, value_cache, blocks, seq_len, window, out, num_heads, num_kv_heads,        \
+                     HEAD_DIM, block_size, scale, h_begin, h_end, BF16);                                          \
     }
 ATTEND_HEADS(attend_heads_64_f32, 64, 0)
 ATTEND_HEADS(attend_heads_128_f32, 128, 0)
@@ -189,7 +196,7 @@ static int attend(const float *query, const void *new_keys, const void *new_valu
                   int64_t new_values_stride, const int64_t *slots, void *key_cache, void *value_cache,
                   const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, float *out,
                   int64_t num_reqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                  float scale, int bf16) {
+                  float scale, int64_t window, int bf16) {
     if (!decode_shapes_ok(num_heads, num_kv_heads, head_dim, block_size)) return -1;
     const attend_fn task_fn = attend_heads_for(head_dim, bf16);
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -216,7 +223,7 @@ static int attend(const float *query, const void *new_keys, const void *new_valu
         const int64_t r = task / tasks_per_req;
         const int64_t h_begin = task % tasks_per_req * kv_heads_per_task;
         task_fn(query + r * num_heads * head_dim, key_cache, value_cache, block_table + r * block_table_stride,
-                seq_lens[r], out + r * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale,
+                seq_lens[r], window, out + r * num_heads * head_dim, num_heads, num_kv_heads, head_dim, block_size, scale,
                 h_begin, h_begin + kv_heads_per_task);
     }
     return 0;
@@ -227,10 +234,10 @@ int paged_decode_attention_f32(const float *query, const float *new_keys, const 
                                float *key_cache, float *value_cache, const int32_t *block_table,
                                int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_reqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale) {
+                               float scale, int64_t window) {
     return attend(query, new_keys, new_values, new_keys_stride, new_values_stride, slots, key_cache, value_cache,
                   block_table, block_table_stride, seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim,
-                  block_size, scale, 0);
+                  block_size, scale, window, 0);
 }
 
 int paged_decode_attention_bf16(const float *query, const uint16_t *new_keys, const uint16_t *new_values,
@@ -238,8 +245,8 @@ int paged_decode_attention_bf16(const float *query, const uint16_t *new_keys, co
                                 uint16_t *key_cache, uint16_t *value_cache, const int32_t *block_table,
                                 int64_t block_table_stride, const int32_t *seq_lens, float *out, int64_t num_reqs,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                                float scale) {
+                                float scale, int64_t window) {
     return attend(query, new_keys, new_values, new_keys_stride, new_values_stride, slots, key_cache, value_cache,
                   block_table, block_table_stride, seq_lens, out, num_reqs, num_heads, num_kv_heads, head_dim,
-                  block_size, scale, 1);
+                  block_size, scale, window, 1);
 }

@@ -11,7 +11,10 @@
  * buffer and no gathered copy of the context is made. Causality: query i of a
  * chunk of n tokens after `context` cached ones sits at position context + i
  * and sees keys 0..context + i; a query tile stops at its last row's position,
- * and only the tiles crossing the diagonal are masked. Tasks run longest first
+ * and only the tiles crossing the diagonal are masked. A sliding window of W
+ * keys (Beltagy et al. 2020, arXiv:2004.05150) hides keys before
+ * context + i - W + 1 as well: a tile starts at its first row's first key, and
+ * the tiles crossing that edge are masked too. Tasks run longest first
  * (the last query tiles see the most keys) over OpenMP threads.
  *
  * Two inner loops. The portable one (GCC vector extensions: 16 floats with
@@ -34,6 +37,7 @@
  *   query_lens   [num_chunks] int32, its tokens (>= 1)
  *   seq_lens     [num_chunks] int32, context + query_len (the keys its last token sees)
  *   out          [num_tokens, num_heads, head_dim]; rows outside the chunks are zeros
+ *   window       each query sees the last `window` keys up to its own position; 0: all of them
  * Both entry points return 0, or -1 when the shapes exceed the fixed limits
  * (head_dim a multiple of 8 up to 256, at most MAX_ROWS query heads per kv head).
  */
@@ -169,17 +173,24 @@ static int thread_buffers(buffers_t *b) {
     return 1;
 }
 
+/* A masked score: below a row's starting max (-1e30), so that a row whose first tile hides all its keys
+   (a sliding window's edge) takes exp(MASKED - max) = 0 for them rather than exp(0) = 1. */
+#define MASKED (-2e30f)
+
 /* Online softmax over one tile of scores: update each row's max and sum, turn scores into
    probabilities in place, and leave in alpha how much the accumulators shrink. Masks keys past
-   a row's position when the tile crosses the diagonal. */
-static inline void tile_softmax(buffers_t *b, int64_t key_start, int64_t num_keys, int64_t rows, int masked) {
+   a row's position, and those `window` or more before it (window > 0), when `masked`. */
+static inline void tile_softmax(buffers_t *b, int64_t key_start, int64_t num_keys, int64_t rows, int masked,
+                                int64_t window) {
     for (int64_t r = 0; r < rows; r += VEC) {
         if (masked) {
             const vi pos = *(const vi *)(b->pos + r);
+            const vi first = window > 0 ? pos - (int32_t)(window - 1) : (vi){};
             for (int64_t i = 0; i < num_keys; i++) {
-                const vi visible = (vi){} + (int32_t)(key_start + i) <= pos;
+                const vi key = (vi){} + (int32_t)(key_start + i);
+                const vi visible = (key <= pos) & (key >= first);
                 vstore(b->scores + i * rows + r, vselect(visible, vload(b->scores + i * rows + r),
-                                                         (vf){} - 1e30f));
+                                                         (vf){} + MASKED));
             }
         }
         const vf old_max = vload(b->row_max + r);
@@ -238,8 +249,20 @@ typedef struct {
     void *out;
     int64_t num_heads, num_kv_heads, group, block_size;
     float scale;
-    int amx; /* the tasks run on AMX tiles, which each thread configures first */
+    int64_t window; /* sliding-window attention over this many keys; 0: causal over all */
+    int amx;        /* the tasks run on AMX tiles, which each thread configures first */
 } problem_t;
+
+/* The first key any row of query tokens [t0, t1) after `context` sees, and whether a tile of keys from
+   key_start to key_end (inclusive) hides some key from some row: it crosses the diagonal (past the first
+   row's position) or the window's edge (before the last row's first key). */
+static inline int64_t first_key(const problem_t *p, int64_t context, int64_t t0) {
+    return p->window > 0 && context + t0 - p->window + 1 > 0 ? context + t0 - p->window + 1 : 0;
+}
+static inline int tile_masked(const problem_t *p, int64_t key_start, int64_t key_end, int64_t context, int64_t t0,
+                              int64_t t1) {
+    return key_end > context + t0 || (p->window > 0 && key_start < context + t1 - p->window);
+}
 
 /* One task: query tokens [t0, t1) of a chunk, kv head h, every query head of its group. `head_dim` and
    `bf16` are compile-time constants in each specialisation below. */
@@ -266,9 +289,9 @@ static inline __attribute__((always_inline)) void attend_tile(buffers_t *b, cons
         memset(b->qt + d * rows + used, 0, sizeof(float) * (rows - used));
         memset(b->acc_t + d * rows, 0, sizeof(float) * rows);
     }
-    const int64_t num_keys = context + t1; /* the last row sees keys 0..context + t1 - 1 */
+    const int64_t num_keys = context + t1; /* the last row sees keys up to context + t1 - 1 */
     float *keys = b->widened, *values = b->widened + KEY_TILE * head_dim;
-    for (int64_t key_start = 0; key_start < num_keys; key_start += KEY_TILE) {
+    for (int64_t key_start = first_key(p, context, t0); key_start < num_keys; key_start += KEY_TILE) {
         const int64_t n = num_keys - key_start < KEY_TILE ? num_keys - key_start : KEY_TILE;
         for (int64_t i = 0; i < n; i++) {
             const int64_t key = key_start + i;
@@ -294,7 +317,8 @@ static inline __attribute__((always_inline)) void attend_tile(buffers_t *b, cons
         }
         const int64_t padded = (n + KEYS_PER_STEP - 1) / KEYS_PER_STEP * KEYS_PER_STEP;
         tile_scores(b->scores, b->qt, keys, padded, rows, head_dim);
-        tile_softmax(b, key_start, n, rows, key_start + n - 1 > context + t0);
+        tile_softmax(b, key_start, n, rows, tile_masked(p, key_start, key_start + n - 1, context, t0, t1),
+                     p->window);
         tile_values(b->acc_t, b->alpha, b->scores, values, n, rows, head_dim);
     }
     for (int64_t r = 0; r < used; r++) {
@@ -366,13 +390,13 @@ static inline __m512 exp2_amx(__m512 x) {
 }
 
 /* Online softmax of 16 rows of KEY_TILE scores (fp32 rows of `scores`), masked past each row's
-   position when `masked`; probabilities out as bf16 rows of `probs`, each row's rescale in alpha.
+   position (and `window` or more before it) when `masked`; probabilities out as bf16 rows of `probs`, each row's rescale in alpha.
    Returns whether the max of any of the 16 rows moved: only then do the outputs, which AMX reads and
    writes, need rescaling by vector code (AMX loads of memory that vector code just wrote stall; after
    the first few tiles a row's max seldom moves: 250 against 183 GFLOP per CPU-second when rescaling
    every tile, on 2048 queries after 5952 tokens of context). */
 static inline int softmax_amx(buffers_t *b, const float *scores, uint16_t *probs, int64_t row0,
-                              int64_t key_start, int masked, float log2e_scale) {
+                              int64_t key_start, int masked, int64_t window, float log2e_scale) {
     int moved = 0;
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int64_t i = 0; i < 16; i++) {
@@ -382,8 +406,10 @@ static inline int softmax_amx(buffers_t *b, const float *scores, uint16_t *probs
             s[k] = _mm512_load_ps(scores + i * KEY_TILE + k * 16);
             if (masked) {
                 const __m512i key = _mm512_add_epi32(lanes, _mm512_set1_epi32((int32_t)(key_start + k * 16)));
-                const __mmask16 visible = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(b->pos[r]));
-                s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), visible, s[k]);
+                __mmask16 visible = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(b->pos[r]));
+                if (window > 0)
+                    visible &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(b->pos[r] - (int32_t)(window - 1)));
+                s[k] = _mm512_mask_mov_ps(_mm512_set1_ps(MASKED), visible, s[k]);
             }
         }
         __m512 top = s[0];
@@ -472,7 +498,7 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
     memset(outputs, 0, sizeof(float) * rows * head_dim);
     const float log2e_scale = p->scale * 1.44269504f;
     const int64_t num_keys = context + t1;
-    for (int64_t key_start = 0; key_start < num_keys; key_start += KEY_TILE) {
+    for (int64_t key_start = first_key(p, context, t0); key_start < num_keys; key_start += KEY_TILE) {
         const int64_t n = num_keys - key_start < KEY_TILE ? num_keys - key_start : KEY_TILE;
         for (int64_t i = 0; i < KEY_TILE; i += 2) {
             const uint16_t *k[2], *v[2];
@@ -502,7 +528,7 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
             for (int64_t d = 0; d < head_dim; d++)
                 row[d] = (v[0] != NULL ? v[0][d] : 0u) | (uint32_t)(v[1] != NULL ? v[1][d] : 0u) << 16;
         }
-        const int masked = key_start + KEY_TILE - 1 > context + t0;
+        const int masked = tile_masked(p, key_start, key_start + KEY_TILE - 1, context, t0, t1);
         for (int64_t row0 = 0; row0 < rows; row0 += 16) {
             /* Scores of 16 rows x 64 keys: four accumulator tiles, head_dim / 32 steps. */
             _tile_zero(0);
@@ -513,7 +539,7 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
             amx_store_16x64(scores, KEY_TILE);
             /* Outputs of the 16 rows: rescaled when a max moved, then plus probabilities x values,
                64 channels (four accumulator tiles) at a time. */
-            if (softmax_amx(b, scores, probs, row0, key_start, masked, log2e_scale))
+            if (softmax_amx(b, scores, probs, row0, key_start, masked, p->window, log2e_scale))
                 for (int64_t i = 0; i < 16; i++) {
                     const __m512 alpha = _mm512_set1_ps(b->alpha[row0 + i]);
                     float *o = outputs + (row0 + i) * head_dim;
@@ -637,12 +663,13 @@ int paged_prefill_attention_f32(const float *query, int64_t query_stride, const 
                                 const float *value_cache, const int32_t *block_table, int64_t block_table_stride,
                                 const int32_t *row_starts, const int32_t *query_lens, const int32_t *seq_lens,
                                 float *out, int64_t num_tokens, int64_t num_chunks, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                                int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                int64_t window) {
     const problem_t p = {.query = query, .query_stride = query_stride, .key_cache = key_cache,
                          .value_cache = value_cache, .block_table = block_table,
                          .block_table_stride = block_table_stride, .out = out, .num_heads = num_heads,
                          .num_kv_heads = num_kv_heads, .group = num_heads / num_kv_heads,
-                         .block_size = block_size, .scale = scale, .amx = 0};
+                         .block_size = block_size, .scale = scale, .window = window, .amx = 0};
     const tile_fn fn = head_dim == 64 ? tile_f32_64 : head_dim == 128 ? tile_f32_128 : tile_f32_any;
     return attend(&p, fn, row_starts, query_lens, seq_lens, num_tokens, num_chunks, head_dim, 0);
 }
@@ -651,13 +678,14 @@ int paged_prefill_attention_bf16(const uint16_t *query, int64_t query_stride, co
                                  const uint16_t *value_cache, const int32_t *block_table, int64_t block_table_stride,
                                  const int32_t *row_starts, const int32_t *query_lens, const int32_t *seq_lens,
                                  uint16_t *out, int64_t num_tokens, int64_t num_chunks, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                 int64_t window) {
     const int amx = paged_prefill_attention_amx(-1) && head_dim % 64 == 0;
     const problem_t p = {.query = query, .query_stride = query_stride, .key_cache = key_cache,
                          .value_cache = value_cache, .block_table = block_table,
                          .block_table_stride = block_table_stride, .out = out, .num_heads = num_heads,
                          .num_kv_heads = num_kv_heads, .group = num_heads / num_kv_heads,
-                         .block_size = block_size, .scale = scale, .amx = amx};
+                         .block_size = block_size, .scale = scale, .window = window, .amx = amx};
     tile_fn fn = head_dim == 64 ? tile_bf16_64 : head_dim == 128 ? tile_bf16_128 : tile_bf16_any;
 #ifdef HAVE_AMX
     if (amx) fn = head_dim == 64 ? tile_amx_64 : tile_amx_any;
