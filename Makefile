@@ -58,7 +58,7 @@ install-chromium:
 
 # Every tier (docs/testing.md); `make test-fast` runs the unit tests alone, for the inner loop.
 test: install-test install-chromium
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 test-fast: install-test
 	$(BIN)/python -m pytest -q -m fast tests

@@ -83,13 +83,8 @@ def assert_same_tokens(actual: list[list[int]], expected: list[list[int]]) -> No
                        f"{next(k for k, (x, y) in enumerate(zip(a, e, strict=False)) if x != y)}"
 
 
-#: Async scheduling (the next step planned while the last one runs) must not change a token.
-ASYNC_SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-
-
-@ASYNC_SCHEDULING
-def test_batched_greedy_matches_transformers_and_second_pass_hits_prefix_cache(prompts, reference, async_scheduling):
-    llm, first = run_llm(prompts, kv_cache_memory_bytes="256MiB", async_scheduling=async_scheduling)
+def test_batched_greedy_matches_transformers_and_second_pass_hits_prefix_cache(prompts, reference):
+    llm, first = run_llm(prompts, kv_cache_memory_bytes="256MiB")
     assert_same_tokens(first, reference)
     stats = llm.engine_core.make_stats()
     queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits
@@ -100,18 +95,28 @@ def test_batched_greedy_matches_transformers_and_second_pass_hits_prefix_cache(p
     assert second_hits / second_queries > 0.9
 
 
-@ASYNC_SCHEDULING
-def test_chunked_prefill_matches_transformers(prompts, reference, async_scheduling):
+def test_chunked_prefill_matches_transformers(prompts, reference):
     _, actual = run_llm(prompts, long_prefill_token_threshold=64, max_num_batched_tokens=256,
-                        kv_cache_memory_bytes="256MiB", async_scheduling=async_scheduling)
+                        kv_cache_memory_bytes="256MiB")
     assert_same_tokens(actual, reference)
 
 
-@ASYNC_SCHEDULING
-def test_preemption_matches_transformers(prompts, reference, async_scheduling):
-    # 44 usable blocks = 704 tokens: the first six prompts fill 39 blocks and
-    # their decodes need 12 more, so running requests must be preempted.
-    llm, actual = run_llm(prompts, num_gpu_blocks_override=45, async_scheduling=async_scheduling)
+# 44 usable blocks = 704 tokens: the first six prompts fill 39 blocks and their decodes need 12 more, so
+# running requests must be preempted.
+PREEMPTING_BLOCKS = 45
+
+
+def test_preemption_matches_transformers(prompts, reference):
+    llm, actual = run_llm(prompts, num_gpu_blocks_override=PREEMPTING_BLOCKS)
+    assert llm.engine_core.make_stats().num_preemptions > 0
+    assert_same_tokens(actual, reference)
+
+
+def test_async_scheduling_matches_transformers_under_chunked_prefill_and_preemption(prompts, reference):
+    """Async scheduling (the next step planned while the last one runs) must not change a token: the two
+    tests above at once (one run instead of two; the engine's async timelines are tests/test_scheduler.py's)."""
+    llm, actual = run_llm(prompts, num_gpu_blocks_override=PREEMPTING_BLOCKS, long_prefill_token_threshold=64,
+                          max_num_batched_tokens=256, async_scheduling=True)
     assert llm.engine_core.make_stats().num_preemptions > 0
     assert_same_tokens(actual, reference)
 
