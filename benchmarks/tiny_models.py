@@ -11,6 +11,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 # The architectures built: model_type -> extra config values.
 TINY_ARCHITECTURES: dict[str, dict] = {
+    # Gemma 3's shape in small: local layers (window 8) with one global layer, query_pre_attn_scalar unlike
+    # head_dim (16), linear rope scaling on the global layer, soft-capped logits.
+    "gemma3_text": {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0}},
+                    "final_logit_softcapping": 30.0},
     "llama": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 64}},

@@ -52,12 +52,15 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 def hf_greedy(model, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations of ``max_tokens`` tokens, through any end-of-sequence token (as
+    ``ignore_eos``; ``min_new_tokens`` would instead suppress it, and part from us where it is the argmax)."""
     outputs = []
     for ids in prompt_ids:
         input_ids = torch.tensor([ids])
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
         outputs.append(out[0, len(ids):].tolist())
+        assert len(outputs[-1]) == max_tokens
     return outputs
 
 
@@ -184,9 +187,9 @@ def test_seeded_request_same_alone_and_in_full_batch():
     assert again == alone
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "llama", "gemma3_text"])
 def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path, tokenizer):
-    hf = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=model_type == "qwen3")
+    hf = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=model_type in ("qwen3", "gemma3_text"))
     tokenizer.save_pretrained(tmp_path)  # any tokenizer will do: prompts are token ids below 256
     prompts = [[(7 * i + 3 * k) % 250 + 3 for k in range(n)] for i, n in enumerate([3, 20, 45, 70])]
     with torch.inference_mode():

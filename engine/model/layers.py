@@ -20,7 +20,7 @@ from pagedserve.engine.model import cpu_ops
 from pagedserve.engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.engine.model.linear_methods import LinearMethodBase
 from pagedserve.engine.model.parallel import TensorParallel
-from pagedserve.engine.model.weights import ShardId, check_shape, set_weight_loader
+from pagedserve.engine.model.weights import ShardId, check_shape, default_weight_loader, set_weight_loader
 
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.
@@ -41,12 +41,27 @@ class RMSNorm(nn.Module):
     go to the fused kernel (``cpu_ops.rms_norm``): the same arithmetic in one
     call, its sum of squares accumulated in float64 (so float32 outputs may
     differ from torch's in the last bit).
+
+    With ``unit_offset`` (Gemma) the checkpoint's weight ``w`` scales by
+    ``1 + w``: the loader stores ``1 + w`` in float32, and the product is taken
+    in float32 before the cast back, as transformers' ``GemmaRMSNorm`` does.
     """
 
-    def __init__(self, weight_shape: int | tuple[int, ...], eps: float) -> None:
+    def __init__(self, weight_shape: int | tuple[int, ...], eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(weight_shape), requires_grad=False)
+        dtype = torch.float32 if unit_offset else None
+        self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.unit_offset = unit_offset
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def stored(self, loaded: torch.Tensor) -> torch.Tensor:
+        """A checkpoint weight as the parameter holds it: ``1 + w`` in float32 with ``unit_offset``."""
+        return loaded.float() + 1.0 if self.unit_offset else loaded
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        """``default_weight_loader`` of the checkpoint weight as the parameter holds it (``stored``)."""
+        default_weight_loader(param, self.stored(loaded))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +83,13 @@ class RMSNorm(nn.Module):
             residual = x
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(x.dtype)
+        out = (x32 * self.weight).to(x.dtype) if self.unit_offset else self.weight * x32.to(x.dtype)
         return out if residual is None else (out, residual)
 
 
 class QKNorm(RMSNorm):
-    """Qwen3's RMSNorm of each query and key head over ``head_dim``, as one op over this rank's heads.
+    """The RMSNorm of each query and key head over ``head_dim`` (Qwen3, Gemma 3), as one op over this rank's
+    heads.
 
     The weight is ``[num_heads + num_kv_heads, head_dim]``: the checkpoint's
     ``q_norm`` (one ``[head_dim]`` vector for all query heads) fills every
@@ -84,12 +100,13 @@ class QKNorm(RMSNorm):
         num_heads, num_kv_heads: query and key heads on this rank.
         head_dim: channels per head.
         eps: added to the mean square.
+        unit_offset: scale by ``1 + w`` (Gemma; see ``RMSNorm``).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> None:
-        super().__init__((num_heads + num_kv_heads, head_dim), eps)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 unit_offset: bool = False) -> None:
+        super().__init__((num_heads + num_kv_heads, head_dim), eps, unit_offset)
         self.num_heads = num_heads
-        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
         """Copy a ``[head_dim]`` norm weight into every row of the query (``"q"``) or key (``"k"``) heads.
@@ -99,14 +116,17 @@ class QKNorm(RMSNorm):
         """
         rows = param.data[:self.num_heads] if shard_id == "q" else param.data[self.num_heads:]
         check_shape(loaded, rows.shape[1:])
-        rows.copy_(loaded)
+        rows.copy_(self.stored(loaded))
 
 
-def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse rotary frequencies and cos/sin scale of a model, as transformers computes them.
 
     Uses ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` for scaled
     variants (linear, llama3, yarn, ...) so scaling rules live in one place.
+    ``layer_type`` picks the rope of one kind of layer where the config's
+    ``rope_parameters`` has one per kind (Gemma 3: ``"sliding_attention"``,
+    ``"full_attention"``).
 
     Returns:
         ``inv_freq`` ``[head_dim // 2]`` float32, and the attention scaling factor
@@ -115,7 +135,7 @@ def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
         ValueError: for rope types whose frequencies change with the sequence
             length (``dynamic``, ``longrope``) and for partial rotary embeddings.
     """
-    params = config.rope_parameters
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type in _SEQ_LEN_DEPENDENT_ROPE:
         raise ValueError(f"rope_type {rope_type!r} is not supported (frequencies depend on sequence length)")
@@ -128,7 +148,8 @@ def rope_inv_freq(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known: {['default', *ROPE_INIT_FUNCTIONS]}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
@@ -140,11 +161,12 @@ class RotaryEmbedding(nn.Module):
     layer reuses the result (``apply_rotary``). The table is computed exactly as
     transformers computes cos/sin on the fly (float32 product of position and
     inverse frequency, scaled, then cast), so rotations match it.
+    ``layer_type``: as in ``rope_inv_freq``.
     """
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config)
+        inv_freq, scaling = rope_inv_freq(config, layer_type)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         table = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1)
@@ -171,7 +193,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward block (Shazeer, 2020, arXiv:2002.05202): ``down(silu(gate(x)) * up(x))``.
+    """Gated feed-forward block (Shazeer, 2020, arXiv:2002.05202): ``down(act(gate(x)) * up(x))``, SwiGLU with
+    ``act`` SiLU (Llama), GeGLU with the tanh approximation of GELU (Gemma's ``gelu_pytorch_tanh``).
 
     ``gate_proj`` and ``up_proj`` are stored as one ``gate_up_proj`` weight
     (shards 0 and 1) so both run as a single matmul. Under tensor parallelism
@@ -184,11 +207,18 @@ class GatedMLP(nn.Module):
         bias: whether the three projections have biases.
         linear_method: creates and multiplies the weights.
         tp: the tensor-parallel group.
+        activation: ``"silu"`` or ``"gelu_pytorch_tanh"`` (transformers' names).
+
+    Raises:
+        ValueError: for another activation.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, *, linear_method: LinearMethodBase,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden activation {activation!r}; supported: silu, gelu_pytorch_tanh")
+        self.activation = activation
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
                                                        linear_method=linear_method, tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method=linear_method, tp=tp)
@@ -196,7 +226,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""
         gate_up = self.gate_up_proj(x)
-        if (activated := cpu_ops.silu_and_mul(gate_up)) is None:
+        if self.activation == "gelu_pytorch_tanh":
+            gate, up = gate_up.chunk(2, dim=-1)
+            activated = F.gelu(gate, approximate="tanh") * up
+        elif (activated := cpu_ops.silu_and_mul(gate_up)) is None:
             gate, up = gate_up.chunk(2, dim=-1)
             activated = F.silu(gate) * up
         return self.down_proj(activated)

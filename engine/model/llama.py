@@ -50,6 +50,7 @@ class ArchFlags:
     o_bias: bool = False    # bias on o_proj
     mlp_bias: bool = False  # biases on gate_proj, up_proj, down_proj
     qk_norm: bool = False   # RMSNorm over head_dim of each query and key head, before rotation
+    norm_unit_offset: bool = False  # norms scale by 1 + w (Gemma; RMSNorm's unit_offset)
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -78,22 +79,24 @@ class LlamaAttention(nn.Module):
     Attributes:
         num_heads, num_kv_heads: query and KV heads on this rank (see ``QKVParallelLinear``).
         sliding_window: keys each query sees, its own included; None: all before it.
+        scale: the softmax scale, ``head_dim ** -0.5`` unless the model says otherwise.
     """
 
     def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
-                 linear_method: LinearMethodBase, tp: TensorParallel, sliding_window: int | None = None) -> None:
+                 linear_method: LinearMethodBase, tp: TensorParallel, sliding_window: int | None = None,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.sliding_window = sliding_window
         self.head_dim = _head_dim(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, flags.qkv_bias, linear_method=linear_method,
                                           tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         flags.o_bias, linear_method=linear_method, tp=tp)
-        self.qk_norm = (QKNorm(self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps)
-                        if flags.qk_norm else None)
+        self.qk_norm = (QKNorm(self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps,
+                               flags.norm_unit_offset) if flags.qk_norm else None)
         self.backend = backend
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
