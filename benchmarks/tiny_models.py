@@ -25,6 +25,13 @@ TINY_ARCHITECTURES: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"head_dim": 16},
+    # Mixtures of experts: 4 experts, 2 per token; Qwen2-MoE's second layer dense (mlp_only_layers), its first
+    # with the shared expert; Qwen3-MoE's scores renormalised.
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                  "head_dim": 16},
 }
 
 

@@ -149,6 +149,7 @@ def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) 
 @pytest.mark.parametrize(("model_type", "dtype", "quantization", "reason"), [
     ("qwen3", torch.float32, "int8", "per-head query and key norms"),
     ("llama", torch.bfloat16, None, "dense weights in float32 only"),
+    ("mixtral", torch.float32, "int8", "not mixtures of experts"),  # its experts quantized, layer by layer
 ])
 def test_models_it_does_not_run_say_why(tmp_path_factory, caplog, model_type, dtype, quantization, reason) -> None:
     with caplog.at_level("INFO", logger=fused_decode.__name__):

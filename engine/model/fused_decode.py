@@ -39,6 +39,7 @@ import torch
 from pagedserve.engine import envs
 from pagedserve.engine.model.c_kernels import load_c_library
 from pagedserve.engine.model.cpu_attention import CpuAttentionBackend
+from pagedserve.engine.model.layers import GatedMLP
 from pagedserve.engine.model.quant_kernels import KERNEL_MAX_ROWS, CWeight
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ class FusedDecoder:
         attention = first.self_attn
         if attention.qk_norm is not None:
             return "the fused decode has no per-head query and key norms (Qwen3)"
+        if not all(isinstance(getattr(layer, "mlp", None), GatedMLP) for layer in decoder.layers):
+            return "the fused decode runs dense MLPs, not mixtures of experts"
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         group = heads // kv_heads
         hidden, intermediate = first.input_layernorm.weight.shape[0], first.mlp.down_proj.input_size

@@ -208,20 +208,22 @@ class GatedMLP(nn.Module):
         linear_method: creates and multiplies the weights.
         tp: the tensor-parallel group.
         activation: ``"silu"`` or ``"gelu_pytorch_tanh"`` (transformers' names).
+        reduce_results: as ``RowParallelLinear``'s, for ``down_proj``.
 
     Raises:
         ValueError: for another activation.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, *, linear_method: LinearMethodBase,
-                 tp: TensorParallel, activation: str = "silu") -> None:
+                 tp: TensorParallel, activation: str = "silu", reduce_results: bool = True) -> None:
         super().__init__()
         if activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden activation {activation!r}; supported: silu, gelu_pytorch_tanh")
         self.activation = activation
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
                                                        linear_method=linear_method, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method=linear_method, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, linear_method=linear_method, tp=tp,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden_size]`` -> ``[T, hidden_size]``."""

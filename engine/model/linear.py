@@ -199,14 +199,17 @@ class RowParallelLinear(LinearBase):
         output_size: output features.
         bias: whether a bias is added (whole on every rank, added on rank 0 only).
         linear_method, tp: as for ``ColumnParallelLinear``.
+        reduce_results: sum the partial outputs over the group; False leaves each rank its partial sum, for a
+            caller that adds several such outputs before one sum (the experts of a mixture).
 
     Raises:
         ValueError: when ``input_size`` does not split evenly over the ranks.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, *, linear_method: LinearMethodBase,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, reduce_results: bool = True) -> None:
         super().__init__(input_size, output_size, linear_method=linear_method, tp=tp)
+        self.reduce_results = reduce_results
         self.input_size_per_partition = tp.divide(input_size, "input_size")
         self._create_weights(self.input_size_per_partition, [output_size], output_size if bias else None)
 
@@ -221,4 +224,5 @@ class RowParallelLinear(LinearBase):
         """``[..., input_size / tp.size]`` (this rank's input columns) -> ``[..., output_size]``, summed over ranks."""
         # The bias is part of the sum: added by one rank only.
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(self.linear_method.apply(self, x, bias))
+        out = self.linear_method.apply(self, x, bias)
+        return self.tp.all_reduce(out) if self.reduce_results else out

@@ -116,18 +116,26 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+#: A layer's feed-forward block: (its name in the checkpoint, the module).
+MLPBlock = tuple[str, nn.Module]
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The feed-forward block (a ``GatedMLP``, or a mixture of experts) is registered under the name the checkpoint
+    gives it, ``mlp_name``: ``"mlp"`` (Mixtral's: ``"block_sparse_moe"``).
+    """
+
+    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, mlp: MLPBlock, *,
                  linear_method: LinearMethodBase, tp: TensorParallel, sliding_window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, flags, backend, linear_method=linear_method, tp=tp,
                                         sliding_window=sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias,
-                            linear_method=linear_method, tp=tp)
+        self.mlp_name = mlp[0]
+        self.add_module(*mlp)
 
     def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
@@ -143,20 +151,21 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return getattr(self, self.mlp_name)(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.*`` parameters)."""
+    """Embedding, decoder layers and final norm (HF's ``model.*`` parameters); ``mlp_blocks`` holds each
+    layer's feed-forward block, in layer order."""
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend, *,
-                 linear_method: LinearMethodBase, tp: TensorParallel) -> None:
+    def __init__(self, config: PretrainedConfig, flags: ArchFlags, backend: AttentionBackend,
+                 mlp_blocks: list[MLPBlock], *, linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend, linear_method=linear_method, tp=tp,
-                                                      sliding_window=window)
-                                    for window in layer_windows(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, flags, backend, mlp, linear_method=linear_method,
+                                                      tp=tp, sliding_window=window)
+                                    for window, mlp in zip(layer_windows(config), mlp_blocks, strict=True))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -206,13 +215,23 @@ class LlamaForCausalLM(CausalLM):
         self.vocab_size = config.vocab_size
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.attn_backend = get_attention_backend(attn_backend, block_size)
-        self.model = LlamaModel(config, flags, self.attn_backend, linear_method=linear_method, tp=tp)
+        mlp_blocks = [self.mlp_block(config, flags, i, linear_method=linear_method, tp=tp)
+                      for i in range(config.num_hidden_layers)]
+        self.model = LlamaModel(config, flags, self.attn_backend, mlp_blocks, linear_method=linear_method, tp=tp)
         attention = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         # A tied head shares the embedding's parameter, so it is loaded once, under the embedding's name.
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, linear_method=linear_method, tp=tp,
                                       tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
         self._fused_decoder: FusedDecoder | None = None  # built by after_loading where it applies
+
+    @staticmethod
+    def mlp_block(config: PretrainedConfig, flags: ArchFlags, layer_index: int, *, linear_method: LinearMethodBase,
+                  tp: TensorParallel) -> MLPBlock:
+        """Layer ``layer_index``'s feed-forward block: a dense ``GatedMLP`` named ``mlp`` (the mixtures of
+        experts override this)."""
+        return "mlp", GatedMLP(config.hidden_size, config.intermediate_size, flags.mlp_bias,
+                               linear_method=linear_method, tp=tp)
 
     @staticmethod
     def arch_flags(config: PretrainedConfig) -> ArchFlags:

@@ -26,8 +26,11 @@ _ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "pagedserve.engine.model.gemma:Gemma3ForCausalLM",
     "LlamaForCausalLM": "pagedserve.engine.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedserve.engine.model.llama:MistralForCausalLM",
+    "MixtralForCausalLM": "pagedserve.engine.model.llama_moe:MixtralForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.engine.model.llama:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedserve.engine.model.llama_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "pagedserve.engine.model.llama:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedserve.engine.model.llama_moe:Qwen3MoeForCausalLM",
 }
 
 
