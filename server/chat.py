@@ -185,8 +185,12 @@ class _ChatStream:
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
                           finish_reason=reason)
 
-    def _chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
-        return self.head.model_copy(update={"choices": [choice]})
+    def _chunk(self, choice: ChatStreamChoice, num_output_tokens: int) -> ChatCompletionChunk:
+        """A chunk of one choice, with the usage so far under ``continuous_usage_stats``."""
+        update = {"choices": [choice]}
+        if self.request.continuous_usage:
+            update["usage"] = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
+        return self.head.model_copy(update=update)
 
     async def chunks(self, outputs: AsyncGenerator[RequestOutput, None]
                      ) -> AsyncGenerator[ChatCompletionChunk, None]:
@@ -201,11 +205,11 @@ class _ChatStream:
                         started = True
                         for index in range(self.n):
                             delta = DeltaMessage(role="assistant", content="")
-                            yield self._chunk(ChatStreamChoice(index=index, delta=delta))
+                            yield self._chunk(ChatStreamChoice(index=index, delta=delta), 0)
                         if self.echo:
                             for index in range(self.n):
                                 delta = DeltaMessage(content=self.echo)
-                                yield self._chunk(ChatStreamChoice(index=index, delta=delta))
+                                yield self._chunk(ChatStreamChoice(index=index, delta=delta), 0)
                     for completion in output.outputs:
                         num_output_tokens += len(completion.token_ids)
                         logprobs = self.logprobs(completion)
@@ -218,7 +222,7 @@ class _ChatStream:
                         if content or tool_calls or (logprobs and logprobs.content) or completion.finished:
                             yield self._chunk(ChatStreamChoice(
                                 index=completion.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
-                                logprobs=logprobs, finish_reason=reason))
+                                logprobs=logprobs, finish_reason=reason), num_output_tokens)
         if self.request.include_usage:
             usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
             yield self.head.model_copy(update={"usage": usage})

@@ -190,7 +190,7 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
     response = CompletionResponse(id=request_id, created=unix_time(), model=engine.model_name, choices=[])
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if request.stream:
-        chunks = _chunks(response, request.include_usage, num_prompt_tokens, builder, outputs, client_names)
+        chunks = _chunks(response, request, num_prompt_tokens, builder, outputs, client_names)
         return sse_response(await first_chunk_awaited(chunks))
     num_output_tokens = 0
     with engine_errors(client_names):
@@ -204,10 +204,11 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
     return await json_response(response, off_loop=num_prompt_logprobs is not None)
 
 
-async def _chunks(head: CompletionResponse, include_usage: bool, num_prompt_tokens: int,
+async def _chunks(head: CompletionResponse, request: CompletionRequest, num_prompt_tokens: int,
                   builder: _ChoiceBuilder, outputs: AsyncGenerator[tuple[int, RequestOutput], None],
                   client_names: dict[str, str]) -> AsyncGenerator[CompletionResponse, None]:
-    """One chunk per choice that advanced, then the usage chunk when asked for."""
+    """One chunk per choice that advanced (with the usage so far under ``continuous_usage_stats``), then the
+    usage chunk when asked for."""
     num_output_tokens = 0
     with engine_errors(client_names):
         async with aclosing(outputs):
@@ -217,8 +218,11 @@ async def _chunks(head: CompletionResponse, include_usage: bool, num_prompt_toke
                     num_output_tokens += len(completion.token_ids)
                     has_logprobs = choice.logprobs is not None and choice.logprobs.tokens
                     if choice.text or has_logprobs or completion.finished:
-                        yield head.model_copy(update={"choices": [choice]})
-    if include_usage:
+                        update = {"choices": [choice]}
+                        if request.continuous_usage:
+                            update["usage"] = UsageInfo.of(num_prompt_tokens, num_output_tokens)
+                        yield head.model_copy(update=update)
+    if request.include_usage:
         yield head.model_copy(update={"usage": UsageInfo.of(num_prompt_tokens, num_output_tokens)})
 
 

@@ -191,6 +191,8 @@ def check_fields(request: BaseModel,
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool = False
+    #: vLLM's extension (guidellm sends it): with ``include_usage``, usage so far in every chunk too.
+    continuous_usage_stats: StrictBool = False
 
 
 class JSONSchemaFormat(OpenAIBaseModel):
@@ -263,6 +265,11 @@ class SamplingRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (``include_usage`` and ``continuous_usage_stats``, as vLLM)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     #: The fields this endpoint refuses (``check_fields``).
     unsupported_fields: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = UNSUPPORTED_FIELDS

@@ -135,6 +135,24 @@ def test_chat_stream_joins_to_the_whole_message(client: httpx.Client) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: httpx.Client, path: str) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it), which needs ``include_usage``."""
+    body = {"max_tokens": 6, "ignore_eos": True, **GREEDY}
+    body |= ({"messages": [{"role": "user", "content": "Count to ten."}]} if "chat" in path
+             else {"prompt": "One, two, three,"})
+    options = {"include_usage": True, "continuous_usage_stats": True}
+
+    events = stream(client, path, **body, stream_options=options)
+
+    *chunks, usage_chunk = events[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == usage_chunk["usage"]["prompt_tokens"] for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == usage_chunk["usage"]["completion_tokens"] == 6
+    plain = stream(client, path, **body, stream_options={"continuous_usage_stats": True})
+    assert all(c.get("usage") is None for c in plain[:-1])
+
+
 def test_server_text_equals_offline_llm_text(client: httpx.Client) -> None:
     """Greedy text over HTTP (streamed and not) equals ``LLM.generate`` / ``LLM.chat`` in-process."""
     from pagedserve.engine import LLM, SamplingParams
