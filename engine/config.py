@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.reasoning import REASONING_FORMATS
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -125,6 +127,12 @@ class EngineArgs:
         None, "Speculative decoding as a JSON object (a mapping in YAML) with vLLM's keys: method (ngram = "
         "prompt lookup), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (default 5 each), "
         "disable_by_batch_size; empty = off")
+    reasoning_parser: str | None = setting(
+        None, "How the model writes its reasoning before its answer (vLLM's --reasoning-parser): deepseek_r1 = the "
+        "reply starts inside <think> (the template opens it) and runs to </think>; qwen3 = an optional "
+        "<think>...</think> first. Chat replies then carry it as reasoning_content (and reasoning), and structured "
+        "output and tool-call grammars apply after it; empty = replies are all content",
+        choices=(None, *REASONING_FORMATS))
     async_scheduling: bool = setting(
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
@@ -264,6 +272,7 @@ class ModelConfig:
         vocab_size: rows of the logits.
         generation_defaults: ``SamplingParams`` field -> the model's default (``generation_config``).
         quantization: ``EngineArgs.quantization``.
+        reasoning_parser: ``EngineArgs.reasoning_parser``.
         gguf_path: with ``quantization`` gguf, the GGUF file whose blocks the workers load (staged once,
             ``pagedserve.engine.model.loader.gguf_block_cache``; ``path`` serves the config and tokenizer only); else
             None, the weights are ``path``'s.
@@ -277,6 +286,7 @@ class ModelConfig:
     generation_defaults: dict[str, Any]
     quantization: str | None = None
     gguf_path: str | None = None
+    reasoning_parser: str | None = None
 
 
 def max_model_len_for(requested: int | None, hf_config: Any) -> int:

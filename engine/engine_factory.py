@@ -27,6 +27,7 @@ from pagedserve.engine.model.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from pagedserve.engine.reasoning import ReasoningTokens, reasoning_format
 from pagedserve.engine.structured_output import GrammarCompiler, GuidanceManager
 
 
@@ -62,7 +63,8 @@ def resolve_model_config(args: EngineArgs) -> ModelConfig:
                        vocab_size=hf_config.vocab_size,
                        generation_defaults=load_generation_defaults(source.path, args.generation_config),
                        quantization=args.quantization,
-                       gguf_path=os.path.join(model.path, model.gguf_file) if gguf else None)
+                       gguf_path=os.path.join(model.path, model.gguf_file) if gguf else None,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def resolve_engine_config(args: EngineArgs) -> EngineConfig:
@@ -93,7 +95,9 @@ def _build_engine_core(args: EngineArgs) -> tuple[EngineCore, PreTrainedTokenize
     config = resolve_engine_config(args)
     tokenizer = _tokenizer(config)
     grammars = GrammarCompiler(tokenizer, config.model_config.vocab_size)
-    return EngineCore(config, structured_output_manager=GuidanceManager(grammars)), tokenizer, grammars
+    reasoning = config.model_config.reasoning_parser
+    tokens = None if reasoning is None else ReasoningTokens.of(reasoning_format(reasoning), tokenizer)
+    return EngineCore(config, structured_output_manager=GuidanceManager(grammars, tokens)), tokenizer, grammars
 
 
 def load_processor(config: EngineConfig) -> InputProcessor:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.engine.chat_template import chat_prompt_token_ids
+from pagedserve.engine.chat_template import RESERVED_TEMPLATE_KWARGS, chat_prompt_token_ids
 from pagedserve.engine.config import CacheConfig, ModelConfig
 from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.request import EngineCoreRequest
@@ -185,7 +185,8 @@ class InputProcessor:
         return await _run_sized(len(token_ids) * CHARS_PER_DECODED_TOKEN, self.tokenizer.decode, token_ids)
 
     async def render_chat_async(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                                tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                                tools: Sequence[Mapping[str, Any]] | None = None,
+                                template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """``render_chat``, after ``check_length`` on the messages' text; a large conversation is rendered
         off the event loop.
 
@@ -194,7 +195,7 @@ class InputProcessor:
         """
         num_chars = sum(len(str(message.get("content") or "")) for message in messages)
         self.check_length(num_chars, "messages")
-        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools)
+        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
 
     async def process_async(self, prompt: PromptType, params: SamplingParams,
                             default_max_tokens: int | None = None) -> ProcessedRequest:
@@ -233,17 +234,23 @@ class InputProcessor:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
-        """The prompt token ids of chat messages (and ``tools``, for a template that takes them), exactly as
-        the tokenizer's ``apply_chat_template`` makes them.
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The prompt token ids of chat messages (and ``tools``, for a template that takes them; and the
+        template's own variables, ``chat_template_kwargs``), exactly as the tokenizer's ``apply_chat_template``
+        makes them.
 
         Raises:
-            InvalidRequestError: (``messages``) no messages, or the template refuses them (or there is none).
+            InvalidRequestError: (``messages``) no messages, or the template refuses them (or there is none);
+                (``chat_template_kwargs``) a key the server sets itself.
         """
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})):
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
+                                      "fields do", "chat_template_kwargs")
         try:
-            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools)
+            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
 

@@ -298,7 +298,8 @@ async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> T
             tool_format = tool_parser_class(request.app.state.tool_call_parser, template)
             plan = await plan_tools(body, None, None, engine.processor.grammars)
             messages, tools = render_inputs(body.messages, plan, tool_format, engine.tokenizer)
-            tokens = await engine.processor.render_chat_async(messages, body.add_generation_prompt, tools)
+            tokens = await engine.processor.render_chat_async(messages, body.add_generation_prompt, tools,
+                                                              body.chat_template_kwargs)
         else:
             tokens = await engine.processor.tokenize_async(body.prompt)
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)

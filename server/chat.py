@@ -5,7 +5,9 @@ vLLM's ``prompt_logprobs`` come at the top of the response, in vLLM's shape.
 A stream opens with one ``{"role": "assistant", "content": ""}`` delta per choice
 (then, with vLLM's ``echo``, one delta per choice with the echoed content).
 With ``tools``, the reply is split into ``content`` and ``tool_calls`` by the model's tool parser
-(``pagedserve.server.tool_calling``), whole or delta by delta.
+(``pagedserve.server.tool_calling``), whole or delta by delta. With ``--reasoning-parser``, the thinking
+before the answer goes to ``reasoning_content`` and ``reasoning`` (``pagedserve.engine.reasoning``) and the
+tool parser reads what follows it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.input_processor import run_off_loop
 from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.engine.reasoning import ReasoningFormat, ReasoningStream, reasoning_format, split_reasoning
 from pagedserve.engine.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import (
     bad_request,
@@ -130,15 +133,18 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
                                             engine.default_sampling_params, structured_outputs)
         # Checked by length, then rendered off the event loop when large: other clients never wait on it.
         messages, tools = render_inputs(request.messages, plan, tool_format, engine.tokenizer)
-        token_ids = await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools)
+        token_ids = await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools,
+                                                             request.chat_template_kwargs)
         await engine.processor.check_params_async(params)  # compiled off the loop; process() finds it cached
         prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(prompt, request_id, kind)
+    reasoning = engine.config.model_config.reasoning_parser
     stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n, client_names,
                          ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
-                                             choices=[]), parser)
+                                             choices=[]), parser,
+                         reasoning_format(reasoning) if reasoning is not None else None)
     if request.stream:
         return await first_chunk_awaited(stream.chunks(outputs))
     with engine_errors(client_names):
@@ -159,7 +165,7 @@ class _ChatStream:
 
     def __init__(self, request: ChatCompletionRequest, tokenizer: PreTrainedTokenizerBase,
                  num_prompt_tokens: int, n: int, client_names: dict[str, str], head: ChatCompletionChunk,
-                 tool_parser: type[ToolParser] | None = None) -> None:
+                 tool_parser: type[ToolParser] | None = None, reasoning: ReasoningFormat | None = None) -> None:
         self.request = request
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
@@ -168,8 +174,10 @@ class _ChatStream:
         self.head = head
         self.echo = _echoed_content(request)
         self.tool_parser = tool_parser
-        # One tool parser per choice: each reply is parsed on its own.
+        # One tool parser (and reasoning splitter) per choice: each reply is parsed on its own.
         self.replies = {index: StreamedReply(tool_parser()) for index in range(n)} if tool_parser else None
+        self.reasoning = reasoning
+        self.reasoners = {index: ReasoningStream(reasoning) for index in range(n)} if reasoning else None
 
     def logprobs(self, completion: CompletionOutput) -> ChatLogProbs | None:
         return _logprobs(self.tokenizer, completion.logprobs or []) if self.request.logprobs else None
@@ -177,13 +185,31 @@ class _ChatStream:
     def whole_choice(self, completion: CompletionOutput) -> ChatChoice:
         """A finished choice of a whole (not streamed) response."""
         reason = openai_finish_reason(completion.finish_reason)
+        reasoning, text = None, completion.text
+        if self.reasoning is not None:
+            reasoning, text = split_reasoning(self.reasoning, completion.text)
+            text = text or ""
         if self.tool_parser is None:
-            message = AssistantMessage(content=self.echo + completion.text)
+            content = self.echo + text
+            # A reply that is all reasoning has no content (null), as in vLLM.
+            message = AssistantMessage(content=content if content or self.reasoning is None else None)
         else:
-            message, made_calls = reply_message(self.tool_parser(), completion.text, self.echo)
+            message, made_calls = reply_message(self.tool_parser(), text, self.echo)
             reason = tool_finish_reason(reason, made_calls)
+        message.reasoning_content = message.reasoning = reasoning
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
                           finish_reason=reason)
+
+    def _split(self, completion: CompletionOutput) -> tuple[str, str]:
+        """A choice's new text as ``(reasoning, answer)``; all answer without a reasoning format."""
+        if self.reasoners is None:
+            return "", completion.text
+        reasoner = self.reasoners[completion.index]
+        reasoning, text = reasoner.feed(completion.text)
+        if completion.finished:
+            held_reasoning, held_text = reasoner.finish()
+            reasoning, text = reasoning + held_reasoning, text + held_text
+        return reasoning, text
 
     def _chunk(self, choice: ChatStreamChoice, num_output_tokens: int) -> ChatCompletionChunk:
         """A chunk of one choice, with the usage so far under ``continuous_usage_stats``."""
@@ -213,16 +239,20 @@ class _ChatStream:
                     for completion in output.outputs:
                         num_output_tokens += len(completion.token_ids)
                         logprobs = self.logprobs(completion)
-                        content, tool_calls = completion.text or None, None
+                        reasoning, text = self._split(completion)
+                        content, tool_calls = text or None, None
                         reason = openai_finish_reason(completion.finish_reason)
                         if self.replies is not None:
                             reply = self.replies[completion.index]
-                            content, tool_calls = reply.delta(completion.text, completion.finished)
+                            content, tool_calls = reply.delta(text, completion.finished)
                             reason = tool_finish_reason(reason, reply.made_calls)
-                        if content or tool_calls or (logprobs and logprobs.content) or completion.finished:
-                            yield self._chunk(ChatStreamChoice(
-                                index=completion.index, delta=DeltaMessage(content=content, tool_calls=tool_calls),
-                                logprobs=logprobs, finish_reason=reason), num_output_tokens)
+                        if (content or tool_calls or reasoning or (logprobs and logprobs.content)
+                                or completion.finished):
+                            delta = DeltaMessage(content=content, tool_calls=tool_calls,
+                                                 reasoning_content=reasoning or None, reasoning=reasoning or None)
+                            yield self._chunk(ChatStreamChoice(index=completion.index, delta=delta,
+                                                               logprobs=logprobs, finish_reason=reason),
+                                              num_output_tokens)
         if self.request.include_usage:
             usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
             yield self.head.model_copy(update={"usage": usage})

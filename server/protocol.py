@@ -137,7 +137,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "truncate_prompt_tokens": ("prompt truncation", ()),
     "continue_final_message": ("continuing the final message", (False,)),
     "chat_template": ("a chat template of the request's own", ()),
-    "chat_template_kwargs": ("chat template arguments", ({},)),
     "documents": ("documents for the chat template", ()),
     "spaces_between_special_tokens": ("no spaces between special tokens", (True,)),
     "return_tokens_as_token_ids": ("tokens written as token ids", (False,)),
@@ -505,6 +504,8 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the reply starts with the last message's content when that message has the reply's role.
     echo: StrictBool = False
     add_generation_prompt: StrictBool = True
+    # vLLM's: variables of the chat template (Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(RequestBody):
@@ -518,6 +519,7 @@ class TokenizeRequest(RequestBody):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(RequestBody):
@@ -686,6 +688,9 @@ class AssistantMessage(OpenAIBaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda calls: calls is None)
+    # With --reasoning-parser: the thinking before the answer, under vLLM's older and newer names.
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda text: text is None)
+    reasoning: str | None = Field(default=None, exclude_if=lambda text: text is None)
 
 
 class ChatChoice(Choice):
@@ -726,6 +731,8 @@ class DeltaMessage(OpenAIBaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:

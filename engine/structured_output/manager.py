@@ -10,6 +10,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from pagedserve.engine.core.scheduler_output import GrammarOutput, SchedulerOutput
+from pagedserve.engine.reasoning import ReasoningTokens
 from pagedserve.engine.request import Request
 from pagedserve.engine.structured_output.compiler import GrammarCompiler, client_message
 
@@ -22,21 +23,30 @@ class GuidanceManager:
 
     Used from the engine thread only (the compiler's pool does the compiling).
 
+    With a reasoning format (``--reasoning-parser``) a grammar constrains only what follows the end of the
+    reasoning, as in vLLM: a request still reasoning gets no mask, and its matcher takes the tokens after the
+    end tag.
+
     Args:
         compiler: the engine's. On a thread of the server's process (``InprocClient``, offline ``LLM``) it is
             the frontend's too, which compiled (and so validated) each grammar before the request was queued,
             and the engine finds it in the cache; in an engine process the grammar compiles again here.
+        reasoning: the reasoning format's tag token ids, or None for a model that does not reason.
     """
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, reasoning: ReasoningTokens | None = None) -> None:
         self.compiler = compiler
+        self.reasoning = reasoning
         self._templates: dict[str, Future[llguidance.LLMatcher]] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._reasoning: set[str] = set()  # requests whose reasoning has not ended
         self._executor = llguidance.LLExecutor(NUM_MASK_THREADS)
 
     def add_request(self, request: Request) -> None:
         """Start compiling ``request``'s grammar, or find it in the compiler's cache."""
         self._templates[request.request_id] = self.compiler.compile(request.sampling_params.structured_outputs)
+        if self.reasoning is not None and not self.reasoning.ended(request.prompt_token_ids):
+            self._reasoning.add(request.request_id)
 
     def grammar_error(self, request_id: str) -> str | None:
         """Why the grammar did not compile (or its compilation was cancelled, at shutdown)."""
@@ -68,7 +78,8 @@ class GuidanceManager:
         """The masks of the constrained requests that sample this step, filled on ``NUM_MASK_THREADS``."""
         # A request samples this step when the step computes its last known token.
         rows = [req_id for req_id in scheduler_output.num_scheduled_tokens
-                if req_id in self._matchers and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
+                if req_id in self._matchers and req_id not in self._reasoning
+                and requests[req_id].num_computed_tokens >= requests[req_id].num_tokens]
         if not rows:
             return None
         bitmask = np.empty((len(rows), (self.compiler.vocab_size + 31) // 32), dtype=np.int32)
@@ -76,7 +87,13 @@ class GuidanceManager:
         return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask)
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
-        """Advance the matcher; None when it takes the tokens, else llguidance's error."""
+        """Advance the matcher by the tokens after the reasoning; None when it takes them, else llguidance's
+        error."""
+        if request_id in self._reasoning:
+            if self.reasoning.end_id not in token_ids:
+                return None
+            self._reasoning.discard(request_id)
+            token_ids = token_ids[token_ids.index(self.reasoning.end_id) + 1:]
         matcher = self._matchers[request_id]
         if matcher.consume_tokens(token_ids):
             return None
@@ -91,3 +108,4 @@ class GuidanceManager:
         """Drop the request's matcher (the compiled template stays in the compiler's cache)."""
         self._templates.pop(request_id, None)
         self._matchers.pop(request_id, None)
+        self._reasoning.discard(request_id)
