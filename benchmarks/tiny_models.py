@@ -11,6 +11,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 # The architectures built: model_type -> extra config values.
 TINY_ARCHITECTURES: dict[str, dict] = {
+    # Gemma 2's shape in small: alternating local (window 8) and global layers, soft-capped scores and logits.
+    "gemma2": {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 30.0},
     # Gemma 3's shape in small: local layers (window 8) with one global layer, query_pre_attn_scalar unlike
     # head_dim (16), linear rope scaling on the global layer, soft-capped logits.
     "gemma3_text": {"num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,

@@ -77,9 +77,9 @@ def run_backend(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: list, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal GQA attention in float64, one request at a time: its query ``i`` after ``context`` cached tokens
-    sees keys ``0..context + i``, or the last ``sliding_window`` of them."""
+    sees keys ``0..context + i``, or the last ``sliding_window`` of them; scores soft-capped at ``softcap``."""
     out = torch.empty_like(query, dtype=torch.float64)
     group = query.shape[1] // NUM_KV_HEADS
     start = 0
@@ -93,6 +93,8 @@ def reference_attention(query: torch.Tensor, query_lens: list[int], full_kv: lis
         if sliding_window is not None:
             visible &= torch.arange(len(keys))[None, :] > positions - sliding_window
         scores = torch.einsum("nhd,khd->hnk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + n] = torch.einsum("hnk,khd->nhd", probs, v)
         start += n
@@ -129,6 +131,24 @@ def test_backend_with_a_sliding_window_matches_reference(scenario: str, sliding_
 
     expected = reference_attention(query, query_lens, full_kv, scale, sliding_window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_backend_with_soft_capped_scores_matches_reference(scenario: str, sliding_window: int | None,
+                                                           backend: str) -> None:
+    """Gemma 2's ``cap * tanh(s / cap)`` of each scaled score; a cap of 2 bends the test's scores (about +-6)."""
+    query_lens, context_lens = SCENARIOS[scenario]
+    query, key, value, kv_cache, common, full_kv = make_step(query_lens, context_lens, NUM_KV_HEADS * 3, 16)
+    scale = HEAD_DIM ** -0.5
+    backend_ = get_attention_backend(backend, 16, logit_softcap=2.0)
+
+    out = backend_.forward(query, key, value, kv_cache, backend_.build_metadata(common), scale, sliding_window)
+
+    expected = reference_attention(query, query_lens, full_kv, scale, sliding_window, softcap=2.0)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(expected, reference_attention(query, query_lens, full_kv, scale, sliding_window))
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])

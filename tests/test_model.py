@@ -196,17 +196,6 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path) -> None:
         assert name in str(excinfo.value)
 
 
-def test_attention_logit_softcapping_is_refused_naming_the_setting(tmp_path) -> None:
-    """Gemma 2's soft-capped attention scores are not in the backends: refused, never served without it."""
-    config = transformers.Gemma3TextConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                           vocab_size=64, attn_logit_softcapping=50.0)
-    config.architectures = ["Gemma3ForCausalLM"]
-
-    with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        load_model(ModelSource(str(tmp_path), None, "gemma3_text"), config, torch.float32, CPU)
-
-
 def test_checkpoint_missing_a_weight_is_rejected(tmp_path) -> None:
     model = tiny_hf_model("qwen2", tmp_path, tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if "layers.1.self_attn.k_proj.bias" not in k}

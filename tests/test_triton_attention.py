@@ -94,7 +94,7 @@ def make_step(
 
 def reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive paged attention: fp64, one request at a time, K/V gathered through the block table; a query sees
     keys up to its position, the last ``sliding_window`` of them when one is given.
@@ -118,6 +118,8 @@ def reference(
         v = flat_cache[1, slots].double().repeat_interleave(queries_per_kv, dim=1)
         q = query[start:end].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - (end - start), seq_len)
         hidden = pos[None, :] > q_pos[:, None]
         if sliding_window is not None:
@@ -128,13 +130,13 @@ def reference(
 
 
 def check_against_reference(query_lens: list[int], context_lens: list[int], sliding_window: int | None = None,
-                            **kwargs) -> None:
+                            softcap: float | None = None, **kwargs) -> None:
     """Run the Triton backend on one step and compare output and cache with ``reference``."""
     query, key, value, kv_cache, metadata = make_step(query_lens, context_lens, **kwargs)
     scale = query.shape[-1] ** -0.5
-    expected_out, expected_cache = reference(query, key, value, kv_cache, metadata, scale, sliding_window)
-    out = TritonAttentionBackend(kv_cache.shape[2]).forward(query, key, value, kv_cache, metadata, scale,
-                                                            sliding_window)
+    expected_out, expected_cache = reference(query, key, value, kv_cache, metadata, scale, sliding_window, softcap)
+    out = TritonAttentionBackend(kv_cache.shape[2], softcap).forward(query, key, value, kv_cache, metadata, scale,
+                                                                     sliding_window)
     tol = TOLERANCE[query.dtype]
     assert out.dtype == query.dtype
     torch.testing.assert_close(out.double(), expected_out, atol=tol, rtol=tol)
@@ -173,6 +175,11 @@ def test_sliding_window(sliding_window: int) -> None:
     # Windows of one token, ending mid-tile, and wider than a key tile (32), over chunks with and without
     # context and decodes.
     check_against_reference([20, 1, 70, 1], [13, 47, 0, 15], queries_per_kv=3, sliding_window=sliding_window)
+
+
+def test_soft_capped_scores() -> None:
+    """Gemma 2's ``cap * tanh(s / cap)``, with a window, over chunks with and without context and decodes."""
+    check_against_reference([20, 1, 70, 1], [13, 47, 0, 15], queries_per_kv=3, sliding_window=40, softcap=1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

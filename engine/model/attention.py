@@ -67,6 +67,8 @@ class AttentionBackend(ABC):
 
     Args:
         block_size: tokens per block of the KV caches ``forward`` will be given.
+        logit_softcap: soft-capping of the attention scores (Gemma 2): each scaled score ``s`` becomes
+            ``cap * tanh(s / cap)`` before the mask and softmax; None for none.
     """
 
     #: Device types (``torch.device.type``) the backend runs on.
@@ -76,8 +78,9 @@ class AttentionBackend(ABC):
     #: runner's static buffers, nothing computed from their contents on the host).
     supports_cuda_graphs: bool = False
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, logit_softcap: float | None = None) -> None:
         self.block_size = block_size
+        self.logit_softcap = logit_softcap
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         """The metadata ``forward`` reads for one step, from the runner's common layout (default: as is).
@@ -166,8 +169,9 @@ def check_attention_backend(name: str, device: torch.device | str) -> None:
         raise ValueError(f"attention_backend {name!r} {reason}; backends for {device_type}: {valid}")
 
 
-def get_attention_backend(name: str, block_size: int) -> AttentionBackend:
-    """Instantiate the backend registered as ``name`` for KV caches of ``block_size``-token blocks.
+def get_attention_backend(name: str, block_size: int, logit_softcap: float | None = None) -> AttentionBackend:
+    """Instantiate the backend registered as ``name`` for KV caches of ``block_size``-token blocks (and scores
+    soft-capped at ``logit_softcap``, see ``AttentionBackend``).
 
     Raises:
         ValueError: when no backend has that name, or its dependencies (e.g. triton) are missing.
@@ -176,6 +180,6 @@ def get_attention_backend(name: str, block_size: int) -> AttentionBackend:
     if cls is None:
         raise ValueError(f"attention backend {name!r} is not available; registered: {sorted(_BACKENDS)}")
     try:
-        return cls(block_size)
+        return cls(block_size, logit_softcap)
     except ImportError as err:
         raise ValueError(f"attention backend {name!r} is not available: {err}") from err

@@ -218,15 +218,21 @@ class CpuAttentionBackend(AttentionBackend):
     decode-only step the decode kernel writes the step's keys and values itself); decodes and prefill chunks
     in the C kernels when they are available, else on the torch path.
 
+    Scores soft-capped (``logit_softcap``, Gemma 2) run the torch backend's math path: the kernels do not cap.
+
     Args:
         block_size: tokens per block of the KV caches ``forward`` will be given.
+        logit_softcap: see ``AttentionBackend``.
     """
 
     supported_devices = ("cpu",)
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size)
-        self._torch = TorchAttentionBackend(block_size)
+    def __init__(self, block_size: int, logit_softcap: float | None = None) -> None:
+        super().__init__(block_size, logit_softcap)
+        self._torch = TorchAttentionBackend(block_size, logit_softcap)
+        if logit_softcap is not None:
+            logger.info("attention scores are soft-capped: the CPU attention kernels do not cap, the torch path "
+                        "runs attention")
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
         """See ``TorchAttentionBackend.build_metadata``."""
@@ -243,6 +249,8 @@ class CpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         """See ``TorchAttentionBackend.forward``."""
+        if self.logit_softcap is not None:
+            return self._torch.forward(query, key, value, kv_cache, metadata, scale, sliding_window)
         # Attention repays an OpenMP barrier: every thread, even in a serial CPU step (cpu_threads).
         with region("attention"), all_threads():
             if metadata.decode_only(query) and kv_cache.shape[2] == self.block_size:

@@ -1,26 +1,25 @@
-"""Gemma 3 (text): Gemma Team, 2025, "Gemma 3 Technical Report", arXiv:2503.19786.
+"""Gemma 2 and Gemma 3 (text): Gemma Team, 2024, arXiv:2408.00118, and 2025, arXiv:2503.19786.
 
 The Llama decoder with Gemma's changes, each mirrored from transformers'
-``Gemma3ForCausalLM`` operation for operation:
+``Gemma2ForCausalLM`` and ``Gemma3ForCausalLM`` operation for operation:
 
 * every RMSNorm scales by ``1 + w`` in float32 (``RMSNorm(unit_offset=True)``),
   and each block has four: before and after attention, before and after the MLP;
   the residual is added after the post-norms;
-* queries and keys are RMS-normed per head (as Qwen3), and the softmax scale is
-  ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5``;
+* the softmax scale is ``query_pre_attn_scalar ** -0.5`` rather than ``head_dim ** -0.5``;
+  Gemma 3 RMS-norms queries and keys per head (as Qwen3); Gemma 2 soft-caps the attention
+  scores (``attn_logit_softcapping``: ``cap * tanh(s / cap)``, in the attention backend);
 * the MLP is GeGLU (``gelu_pytorch_tanh``);
 * token embeddings are multiplied by ``sqrt(hidden_size)``, rounded to the
   model's dtype first;
-* local layers (``layer_types``: five of every six) attend within a sliding window
-  and rotate by their own rope (``rope_parameters["sliding_attention"]``, base
-  10,000); global layers attend to everything with ``rope_parameters["full_attention"]``
-  (base 1,000,000, linear scaling on the larger models);
+* local layers (``layer_types``: every other one in Gemma 2, five of every six in Gemma 3)
+  attend within a sliding window; Gemma 3's rotate by their own rope
+  (``rope_parameters["sliding_attention"]``, base 10,000) and its global layers by
+  ``rope_parameters["full_attention"]`` (base 1,000,000, linear scaling on the larger models);
 * the head is tied to the embedding (unless the config says otherwise); logits may be soft-capped
   (``final_logit_softcapping``: ``cap * tanh(logits / cap)``).
 
-Gemma 2's attention-logit soft-capping is not implemented in the attention
-backends, so a config with ``attn_logit_softcapping`` is refused. The KV cache
-keeps every block of a local layer (see ``llama.py``).
+The KV cache keeps every block of a local layer (see ``llama.py``).
 """
 
 from __future__ import annotations
@@ -41,14 +40,14 @@ from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParalle
 from pagedserve.engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     """``h = x + post_attn_norm(attn(input_norm(x)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, *, linear_method: LinearMethodBase,
-                 tp: TensorParallel, sliding_window: int | None) -> None:
+                 tp: TensorParallel, sliding_window: int | None, qk_norm: bool) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
-        flags = ArchFlags(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, norm_unit_offset=True)
+        flags = ArchFlags(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=qk_norm, norm_unit_offset=True)
         self.self_attn = LlamaAttention(config, flags, backend, linear_method=linear_method, tp=tp,
                                         sliding_window=sliding_window, scale=config.query_pre_attn_scalar ** -0.5)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, linear_method=linear_method, tp=tp,
@@ -66,19 +65,23 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden_states + self.post_feedforward_layernorm(mixed)
 
 
-class Gemma3Model(nn.Module):
+class GemmaModel(nn.Module):
     """Scaled embedding, decoder layers and final norm (HF's ``model.*`` parameters)."""
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, *, linear_method: LinearMethodBase,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         # transformers rounds the scale to the model's dtype before multiplying.
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(torch.get_default_dtype()).item()
         self.layer_types = list(config.layer_types)
-        self.rotary_embs = nn.ModuleDict({kind: RotaryEmbedding(config, kind) for kind in set(self.layer_types)})
+        # A rope per kind of layer where the config has one per kind (Gemma 3), else one for all (Gemma 2).
+        per_kind = all(kind in config.rope_parameters for kind in self.layer_types)
+        self.rotary_embs = nn.ModuleDict({kind: RotaryEmbedding(config, kind if per_kind else None)
+                                          for kind in set(self.layer_types)})
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, backend, linear_method=linear_method, tp=tp, sliding_window=window)
+            GemmaDecoderLayer(config, backend, linear_method=linear_method, tp=tp, sliding_window=window,
+                              qk_norm=qk_norm)
             for window in layer_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
 
@@ -93,11 +96,10 @@ class Gemma3Model(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    """Gemma 3's text model on the paged KV cache; built and loaded as ``LlamaForCausalLM`` is.
+    """Gemma 3's text model on the paged KV cache; built and loaded as ``LlamaForCausalLM`` is."""
 
-    Raises:
-        ValueError: for a config with attention-logit soft-capping (Gemma 2's), which no backend implements.
-    """
+    #: Queries and keys RMS-normed per head.
+    qk_norm = True
 
     #: The same fused modules as the Llama family's (Qwen3's q/k norms included).
     stacked_params_mapping: StackedParamsMapping = LlamaForCausalLM.stacked_params_mapping
@@ -105,14 +107,12 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig, *, attn_backend: str, block_size: int,
                  linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         super().__init__()
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attn_logit_softcapping (attention-logit soft-capping) is not implemented by the "
-                             "attention backends")
         self.num_layers = config.num_hidden_layers
         self.vocab_size = config.vocab_size
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-        self.attn_backend = get_attention_backend(attn_backend, block_size)
-        self.model = Gemma3Model(config, self.attn_backend, linear_method=linear_method, tp=tp)
+        self.attn_backend = get_attention_backend(attn_backend, block_size,
+                                                  getattr(config, "attn_logit_softcapping", None))
+        self.model = GemmaModel(config, self.attn_backend, linear_method=linear_method, tp=tp, qk_norm=self.qk_norm)
         attention = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attention.num_heads, attention.num_kv_heads
         self.head_dim = attention.head_dim
@@ -141,3 +141,9 @@ class Gemma3ForCausalLM(CausalLM):
         """See ``CausalLM.load_weights``; a tied head saved anyway (``lm_head.weight``) is skipped."""
         load_weights(self, weights, self.stacked_params_mapping,
                      ignored=lambda name: self.tie_word_embeddings and name == "lm_head.weight")
+
+
+class Gemma2ForCausalLM(Gemma3ForCausalLM):
+    """Gemma 2: Gemma 3's decoder without the per-head q/k norms, with one rope and soft-capped attention scores."""
+
+    qk_norm = False

@@ -23,6 +23,7 @@ from pagedserve.engine.model.linear_methods import release_plain_weights
 
 # architecture name -> "module:class"
 _ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": "pagedserve.engine.model.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "pagedserve.engine.model.gemma:Gemma3ForCausalLM",
     "LlamaForCausalLM": "pagedserve.engine.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedserve.engine.model.llama:MistralForCausalLM",

@@ -136,14 +136,17 @@ class TorchAttentionBackend(AttentionBackend):
     One instance serves every layer of a model: the gather workspace is
     shared, since layers run one after another.
 
+    Scores soft-capped (``logit_softcap``) take the unfused math path: SDPA has no such option.
+
     Args:
         block_size: tokens per block of the KV caches ``forward`` will be given.
+        logit_softcap: see ``AttentionBackend``.
     """
 
     supported_devices = ("cpu", "cuda")
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size)
+    def __init__(self, block_size: int, logit_softcap: float | None = None) -> None:
+        super().__init__(block_size, logit_softcap)
         self._workspace = torch.empty(0)
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
@@ -262,8 +265,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes, num_heads = query.shape[:2]
         q = query.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
         kv = self._gather(kv_cache, metadata.decodes.blocks).view(2, num_decodes, -1, num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                             attn_mask=metadata.decodes.window_mask(sliding_window), scale=scale)
+        out = self._attend(q, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                           metadata.decodes.window_mask(sliding_window), scale)
         return out.reshape(num_decodes, num_heads, head_dim)
 
     def prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -286,13 +289,24 @@ class TorchAttentionBackend(AttentionBackend):
         window = sliding_window if sliding_window is not None and sliding_window < chunk.seq_len else None
         if chunk.blocks is None:
             k, v = key[chunk.start:chunk.end].transpose(0, 1), value[chunk.start:chunk.end].transpose(0, 1)
-            if window is None:
+            if window is None and self.logit_softcap is None:
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask(window, q.device), scale=scale,
-                                                     enable_gqa=True)
+                out = self._attend(q, k, v, chunk.mask(window, q.device), scale)
             return out.transpose(0, 1)
         kv = self._gather(kv_cache, chunk.blocks)[:, :chunk.seq_len].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=chunk.mask(window, q.device), scale=scale,
-                                             enable_gqa=True)
-        return out.transpose(0, 1)
+        return self._attend(q, kv[0], kv[1], chunk.mask(window, q.device), scale).transpose(0, 1)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+        """Softmax attention of ``q`` ``[..., Hq, L, D]`` over ``k``, ``v`` ``[..., Hkv, S, D]`` (``Hq`` a multiple of
+        ``Hkv``) where ``mask`` (broadcast to ``[..., Hq, L, S]``) is true: SDPA, or with ``logit_softcap`` the
+        math transformers' eager Gemma 2 runs (scores capped, then masked, softmax in float32)."""
+        if self.logit_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        cap = self.logit_softcap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / cap) * cap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return torch.matmul(probs.to(v.dtype), v)

@@ -29,6 +29,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     Args:
         block_size: tokens per block of the KV caches (the kernels read it from the cache's shape).
+        logit_softcap: see ``AttentionBackend``.
 
     Raises:
         ImportError: when Triton is not installed.
@@ -37,8 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
     supported_devices = ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
     supports_cuda_graphs = True
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size)
+    def __init__(self, block_size: int, logit_softcap: float | None = None) -> None:
+        super().__init__(block_size, logit_softcap)
         self._kernels = importlib.import_module("pagedserve.engine.model.triton_kernels")
 
     def forward(
@@ -85,5 +86,5 @@ class TritonAttentionBackend(AttentionBackend):
             if num_tokens == 0:
                 return out
             self._kernels.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens)
-            self._kernels.paged_attention(out, query, kv_cache, metadata, scale, sliding_window)
+            self._kernels.paged_attention(out, query, kv_cache, metadata, scale, sliding_window, self.logit_softcap)
             return out

@@ -92,14 +92,14 @@ def _find_request(query_start_loc, q_block, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
     out, query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-    scale, num_reqs, window,
+    scale, num_reqs, window, softcap,
     stride_q_tok, stride_q_head, stride_q_d,
     stride_o_tok, stride_o_head, stride_o_d,
     stride_c_blk, stride_c_slot, stride_c_head, stride_c_d,
     stride_bt_req,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One ``[BLOCK_M, head_dim]`` output tile: BLOCK_Q query tokens x the query heads of one kv head."""
     q_block = tl.program_id(0)
@@ -144,6 +144,8 @@ def _paged_attention_kernel(
         k = tl.load(key_cache + slot_off[None, :] + offs_d[:, None] * stride_c_d,
                     mask=k_valid[None, :] & d_valid[:, None], other=0.0)
         s = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh on every target)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible & k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -193,7 +195,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> None:
+                    scale: float, sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
     """Causal attention of the first ``metadata.num_actual_tokens`` rows of ``query`` into ``out``.
 
     Args:
@@ -203,6 +205,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
         metadata: the step's layout.
         scale: softmax scale.
         sliding_window: keys each query sees, its own included; None: all before it.
+        logit_softcap: ``cap * tanh(s / cap)`` of each scaled score before the mask; None: none.
     """
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = kv_cache.shape[2:4]
@@ -217,11 +220,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     grid = (metadata.num_actual_tokens // block_q + metadata.num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
-        metadata.seq_lens, scale, metadata.num_reqs, sliding_window or _NO_WINDOW,
+        metadata.seq_lens, scale, metadata.num_reqs, sliding_window or _NO_WINDOW, logit_softcap or 1.0,
         *query.stride(), *out.stride(), *key_cache.stride(), metadata.block_table.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=_TILE_N,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SOFTCAP=logit_softcap is not None,
     )
 
 
