@@ -16,9 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine.sampling_params import StructuredOutputsParams
+from pagedserve.server.app import ServerArgs
 from pagedserve.server.errors import OpenAIError
 from pagedserve.server.protocol import ChatCompletionRequest, conversation
-from pagedserve.server.tool_calling import HermesToolParser, ToolParser, parse_reply, plan_tools, tool_parser_class
+from pagedserve.server.tool_calling import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolParser,
+    parse_reply,
+    plan_tools,
+    tool_parser_class,
+)
 from pagedserve.server.tool_calling.output import StreamedReply
 from pagedserve.server.tool_calling.prompt import render_inputs
 from tests.conftest import Served
@@ -216,19 +224,38 @@ OUTPUTS = {
 }
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), OUTPUTS.values(), ids=OUTPUTS.keys())
-def test_hermes_parser_splits_content_and_calls(text: str, content: str, calls: list[tuple[str, str]]) -> None:
-    reply = parse_reply(HermesToolParser(), text)
+LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "note": "a } in \\"text\\""}}'
+LLAMA3_OUTPUTS = {
+    "plain text": ("It is sunny { maybe }", "It is sunny { maybe }", []),
+    "a call": (LLAMA3_CALL, "", [("get_weather", '{"city": "Paris", "note": "a } in \\"text\\""}')]),
+    "after the python tag, two calls": ("<|python_tag|>" + LLAMA3_CALL + "; " + LLAMA3_CALL.replace("Paris", "Tokyo"),
+                                        "", [("get_weather", '{"city": "Paris", "note": "a } in \\"text\\""}'),
+                                             ("get_weather", '{"city": "Tokyo", "note": "a } in \\"text\\""}')]),
+    "arguments for parameters": (' {"name": "get_time", "arguments": {}}', "", [("get_time", "{}")]),
+    "keys in another order": ('{"parameters": {"x": 1}, "name": "f"}', "", [("f", '{"x": 1}')]),
+    "cut short in the parameters": ('{"name": "f", "parameters": {"x": [1, ', "", [("f", '{"x": [1, ')]),
+    "not JSON": ("{nonsense", "", []),
+}
+#: Each parser with its replies: (text, content, calls).
+PARSER_OUTPUTS = {HermesToolParser: OUTPUTS, Llama3JsonToolParser: LLAMA3_OUTPUTS}
+CASES = [(parser, name) for parser, outputs in PARSER_OUTPUTS.items() for name in outputs]
+
+
+@pytest.mark.parametrize(("parser", "name"), CASES, ids=[f"{p.name}-{n}" for p, n in CASES])
+def test_parsers_split_content_and_calls(parser: type[ToolParser], name: str) -> None:
+    text, content, calls = PARSER_OUTPUTS[parser][name]
+    reply = parse_reply(parser(), text)
     assert (reply.content, reply.calls) == (content, calls)
 
 
 @settings(max_examples=150, deadline=None, database=None)
-@given(name=st.sampled_from(sorted(OUTPUTS)), cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
-def test_streamed_pieces_add_up_to_the_whole_reply_at_any_chunk_boundaries(name: str, cuts: list[int]) -> None:
-    text = OUTPUTS[name][0]
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(min_value=0, max_value=200), max_size=12))
+def test_streamed_pieces_add_up_to_the_whole_reply_at_any_chunk_boundaries(case: tuple, cuts: list[int]) -> None:
+    parser, name = case
+    text = PARSER_OUTPUTS[parser][name][0]
     bounds = sorted({0, len(text), *(cut for cut in cuts if cut < len(text))})
     pieces = [text[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
-    reply = StreamedReply(HermesToolParser())
+    reply = StreamedReply(parser())
     content, calls = "", {}
     for i, piece in enumerate(pieces):
         delta_content, delta_calls = reply.delta(piece, finished=i == len(pieces) - 1)
@@ -239,7 +266,7 @@ def test_streamed_pieces_add_up_to_the_whole_reply_at_any_chunk_boundaries(name:
                 calls[call.index] = [call.function.name, ""]
             calls[call.index][1] += call.function.arguments
     assert "<tool_call" not in content or name == "a marker cut short"
-    whole = parse_reply(HermesToolParser(), text)
+    whole = parse_reply(parser(), text)
     assert (content, [tuple(call) for call in calls.values()]) == (whole.content, whole.calls)
 
 
@@ -261,10 +288,47 @@ def test_hermes_fallback_renders_tools_calls_and_results_as_text() -> None:
     assert HermesToolParser.render_fallback(messages[1:2], None) == [{"role": "user", "content": "Weather?"}]
 
 
+def test_llama3_json_fallback_renders_tools_calls_and_results_as_text() -> None:
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "a", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+                    {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+                {"role": "tool", "content": "22 C", "tool_call_id": "a"}]
+    rendered = Llama3JsonToolParser.render_fallback(messages, TOOLS)
+    assert [m["role"] for m in rendered] == ["system", "user", "assistant", "user"]
+    assert '"parameters": dictionary of argument name' in rendered[0]["content"]
+    assert rendered[2]["content"] == ('{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                      '{"name": "get_time", "parameters": {}}')
+    assert rendered[3]["content"] == "Tool result: 22 C"
+
+
+def test_llama3_json_calls_are_served_through_the_sdk(serve_app) -> None:
+    """``--tool-call-parser llama3_json`` on the embedded model (whose template has no tools: the fallback
+    prompt): required and parallel calls held to the tools' parameters, the stream adding up to the whole."""
+    served = serve_app(ServerArgs(tool_call_parser="llama3_json"))
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    request = {**GREEDY, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    whole = client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    assert_valid_calls(choice.message.tool_calls)
+    with client.chat.completions.stream(**request) as stream:
+        streamed = stream.get_final_completion()
+    assert [(c.function.name, c.function.arguments) for c in streamed.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    named = client.chat.completions.create(**{**request, "tool_choice": {"type": "function",
+                                                                          "function": {"name": "get_time"}}})
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["get_time"]
+
+
 def test_the_tool_parser_is_chosen_by_name_or_from_the_chat_template() -> None:
     parser: type[ToolParser] = tool_parser_class("auto", "{{ '<tool_call>' }}")
     assert parser is HermesToolParser and tool_parser_class("auto", None) is HermesToolParser
     assert tool_parser_class("hermes", "") is HermesToolParser
+    llama3 = '{"name": function name, "parameters": dictionary of argument name and its value}'
+    assert tool_parser_class("auto", llama3) is Llama3JsonToolParser
+    assert tool_parser_class("llama3_json", "") is Llama3JsonToolParser
     with pytest.raises(ValueError, match="unknown tool call parser"):
         tool_parser_class("mistral", "")
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from pagedserve.server.tool_calling.base import ParsedDelta, ParsedReply, ToolCallDelta, ToolParser, parse_reply
 from pagedserve.server.tool_calling.hermes import HermesToolParser
+from pagedserve.server.tool_calling.llama3_json import Llama3JsonToolParser
 from pagedserve.server.tool_calling.plan import Tool, ToolPlan, plan_tools
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,
+                                                                                 Llama3JsonToolParser)}
 DEFAULT_TOOL_PARSER = "hermes"
 #: ``--tool-call-parser``'s values.
 TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS)
@@ -38,6 +40,7 @@ def tool_parser_class(setting: str, chat_template: str | None) -> type[ToolParse
     return TOOL_PARSERS[setting]
 
 
-__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_PARSERS", "TOOL_PARSER_CHOICES", "HermesToolParser", "ParsedDelta",
+__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_PARSERS", "TOOL_PARSER_CHOICES", "HermesToolParser", "Llama3JsonToolParser",
+           "ParsedDelta",
            "ParsedReply", "Tool", "ToolCallDelta", "ToolParser", "ToolPlan", "parse_reply", "plan_tools",
            "tool_parser_class"]

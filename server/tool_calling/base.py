@@ -95,3 +95,11 @@ def parse_reply(parser: ToolParser, text: str) -> ParsedReply:
                 calls[call.index] = [call.name, ""]
             calls[call.index][1] += call.arguments
     return ParsedReply("".join(content), [(name, arguments) for name, arguments in calls.values()])
+
+
+def add_to_system_message(messages: list[dict[str, str]], text: str) -> None:
+    """Append ``text`` to the first message when it is a system (or developer) one, else insert it as one."""
+    if messages and messages[0]["role"] in ("system", "developer"):
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{text}".lstrip()
+    else:
+        messages.insert(0, {"role": "system", "content": text})

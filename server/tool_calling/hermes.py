@@ -31,8 +31,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pagedserve.engine.structured_output.compiler import JSON_FORMAT
-from pagedserve.server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser
+from pagedserve.server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser, add_to_system_message
+from pagedserve.server.tool_calling.json_text import ValueEnd, add_arguments, json_call_rules, json_option, json_string
 from pagedserve.server.tool_calling.plan import ToolPlan
 
 logger = logging.getLogger(__name__)
@@ -58,51 +58,6 @@ For each function call, return a json object with function name and arguments wi
 </tool_call>"""
 
 
-class _ValueEnd:
-    """Finds where one JSON value ends in text fed piece by piece (strings, escapes and nesting)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.started = False
-        self.done = False
-
-    def feed(self, text: str) -> tuple[str, int]:
-        """The part of ``text`` that belongs to the value (leading whitespace left out) and how many
-        characters of ``text`` were read; fewer than all once the value has ended (``done``)."""
-        start = 0 if self.started else None
-        for i, char in enumerate(text):
-            if not self.started:
-                if char.isspace():
-                    continue
-                self.started, start = True, i
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return self._end(text, start, i + 1)
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif self.depth == 0 and (char in ",}]" or char.isspace()):  # after a number, true, false, null
-                return self._end(text, start, i)
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return self._end(text, start, i + 1)
-        return ("" if start is None else text[start:]), len(text)
-
-    def _end(self, text: str, start: int | None, end: int) -> tuple[str, int]:
-        self.done = True
-        return ("" if start is None else text[start:end]), end
-
-
 class HermesToolParser(ToolParser):
     """Splits a reply in the Hermes format: text, then ``<tool_call>{"name", "arguments"}</tool_call>`` calls."""
 
@@ -115,7 +70,7 @@ class HermesToolParser(ToolParser):
         self._after_call = False  # drop the whitespace that follows a call
         self._num_calls = 0
         self._named = False  # the open call's name has been sent
-        self._value: _ValueEnd | None = None
+        self._value: ValueEnd | None = None
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -151,9 +106,9 @@ class HermesToolParser(ToolParser):
         if not self._named:
             head = _CALL_HEAD.match(self._buffer)
             if head is not None:
-                self._named, self._value = True, _ValueEnd()
+                self._named, self._value = True, ValueEnd()
                 self._buffer = self._buffer[head.end():]
-                delta.calls.append(ToolCallDelta(self._num_calls, _json_string(head.group(1)), ""))
+                delta.calls.append(ToolCallDelta(self._num_calls, json_string(head.group(1)), ""))
                 self._num_calls += 1
                 return True
             end = self._buffer.find(CALL_END)
@@ -166,7 +121,7 @@ class HermesToolParser(ToolParser):
             piece, used = self._value.feed(self._buffer)
             self._buffer = self._buffer[used:]
             if piece:
-                _add_arguments(delta, self._num_calls - 1, piece)
+                add_arguments(delta, self._num_calls - 1, piece)
             return self._value.done
         end = self._buffer.find(CALL_END)
         if end < 0:
@@ -216,16 +171,13 @@ class HermesToolParser(ToolParser):
         if plan.mode != "auto":
             lines.append(f'start: "{CALL_START}" calls')
         elif plan.answer_schema is not None:
-            lines += [f'start: answer | "{CALL_START}" calls', f"answer: %json {_json_option(plan.answer_schema)}"]
+            lines += [f'start: answer | "{CALL_START}" calls', f"answer: %json {json_option(plan.answer_schema)}"]
         else:
             lines += ["start: TEXT | head calls", f'head[lazy]: TEXT "{CALL_START}"', r"TEXT: /(.|\n)*/"]
         lines.append(f'calls: body ("\\n{CALL_START}" body)*' if plan.parallel else "calls: body")
         alternatives = " | ".join(f"call_{i}" for i in range(len(plan.callable)))
         lines.append(f'body: "\\n" ({alternatives}) "\\n{CALL_END}"')
-        for i, tool in enumerate(plan.callable):
-            head = json.dumps(f'{{"name": {json.dumps(tool.name)}, "arguments": ')
-            lines += [f'call_{i}: {head} args_{i} "}}"', f"args_{i}: %json {_json_option(tool.parameters)}"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + json_call_rules(plan, "arguments")) + "\n"
 
     @classmethod
     def render_fallback(cls, messages: Sequence[Mapping[str, Any]],
@@ -247,10 +199,7 @@ class HermesToolParser(ToolParser):
             rendered.append({"role": role, "content": "\n".join(([content] if content else []) + calls)})
         if tools:
             listing = _INSTRUCTIONS.format(tools="\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools))
-            if rendered and rendered[0]["role"] in ("system", "developer"):
-                rendered[0]["content"] = f"{rendered[0]['content']}\n\n{listing}".lstrip()
-            else:
-                rendered.insert(0, {"role": "system", "content": listing})
+            add_to_system_message(rendered, listing)
         return rendered
 
 
@@ -260,32 +209,9 @@ def _markup(function: Mapping[str, Any]) -> str:
     return f"{CALL_START}\n{call}\n{CALL_END}"
 
 
-def _json_option(schema: dict[str, Any]) -> str:
-    """``schema`` for ``%json``, with the engine's bounded JSON whitespace (``JSON_FORMAT``)."""
-    own = schema.get("x-guidance")
-    return json.dumps({**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **JSON_FORMAT}},
-                      ensure_ascii=False)
-
-
-def _json_string(raw: str) -> str:
-    """The text of a JSON string's inside (escapes decoded; kept as written when they are not valid)."""
-    try:
-        return json.loads(f'"{raw}"')
-    except ValueError:
-        return raw
-
-
 def _partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that is the start of ``marker`` (0 when none)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if text.endswith(marker[:size]):
             return size
     return 0
-
-
-def _add_arguments(delta: ParsedDelta, index: int, piece: str) -> None:
-    """Add a piece of call ``index``'s arguments to ``delta``, in that call's piece if it has one."""
-    if delta.calls and delta.calls[-1].index == index:
-        delta.calls[-1].arguments += piece
-    else:
-        delta.calls.append(ToolCallDelta(index, None, piece))
