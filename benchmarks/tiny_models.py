@@ -26,6 +26,11 @@ TINY_ARCHITECTURES: dict[str, dict] = {
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 64}},
     "mistral": {"sliding_window": None},
+    # Phi-4-mini's shape in small: half the channels rotated, longrope (served within 128 positions).
+    "phi3": {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0],
+                                 "original_max_position_embeddings": 128},
+             "original_max_position_embeddings": 128},
     "qwen2": {},
     "qwen3": {"head_dim": 16},
     # Mixtures of experts: 4 experts, 2 per token; Qwen2-MoE's second layer dense (mlp_only_layers), its first

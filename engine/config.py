@@ -293,10 +293,22 @@ def max_model_len_for(requested: int | None, hf_config: Any) -> int:
     """The longest sequence served, in tokens: ``requested`` (``EngineArgs.max_model_len``), or the model's
     ``max_position_embeddings`` when that is None.
 
+    A ``longrope`` model (Phi-3 128k, Phi-4-mini) serves up to its ``original_max_position_embeddings``: within
+    it transformers rotates by the short factors, which a fixed rotary table holds; beyond it by the long ones
+    for the whole sequence once it is longer, which no fixed table can.
+
     Raises:
         ValueError: ``requested`` beyond the model's positions, or neither set.
     """
     model_max = getattr(hf_config, "max_position_embeddings", None)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(
+            hf_config, "original_max_position_embeddings", None)
+        if original is not None and requested is not None and requested > original:
+            raise ValueError(f"max_model_len {requested} exceeds original_max_position_embeddings {original}: "
+                             "longrope's long factors (longer sequences) are not implemented")
+        model_max = original if original is not None else model_max
     if requested is None:
         if model_max is None:
             raise ValueError("the model config has no max_position_embeddings: set max_model_len")

@@ -196,6 +196,17 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path) -> None:
         assert name in str(excinfo.value)
 
 
+def test_a_longrope_model_serves_within_its_original_positions(tmp_path) -> None:
+    """Beyond ``original_max_position_embeddings`` transformers switches to longrope's long factors for the
+    whole sequence, which a fixed rotary table cannot: the default stops there and more is refused."""
+    from pagedserve.engine.config import max_model_len_for
+
+    config = tiny_hf_model("phi3", tmp_path, tie_word_embeddings=False).config
+    assert max_model_len_for(None, config) == 128 and max_model_len_for(100, config) == 100
+    with pytest.raises(ValueError, match="original_max_position_embeddings 128"):
+        max_model_len_for(129, config)
+
+
 def test_checkpoint_missing_a_weight_is_rejected(tmp_path) -> None:
     model = tiny_hf_model("qwen2", tmp_path, tie_word_embeddings=True)
     state = {k: v for k, v in model.state_dict().items() if "layers.1.self_attn.k_proj.bias" not in k}

@@ -24,7 +24,7 @@ from pagedserve.engine.model.weights import ShardId, check_shape, default_weight
 
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.
-_SEQ_LEN_DEPENDENT_ROPE = ("dynamic", "longrope")
+_SEQ_LEN_DEPENDENT_ROPE = ("dynamic",)
 
 
 class RMSNorm(nn.Module):
@@ -128,23 +128,27 @@ def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tu
     ``rope_parameters`` has one per kind (Gemma 3: ``"sliding_attention"``,
     ``"full_attention"``).
 
+    Partial rotary embeddings (``partial_rotary_factor``, Phi-4-mini) rotate the
+    first ``head_dim * factor`` channels of each head. ``longrope`` gives the
+    frequencies of its short factors, transformers' within
+    ``original_max_position_embeddings`` (``config.max_model_len_for`` serves no longer).
+
     Returns:
-        ``inv_freq`` ``[head_dim // 2]`` float32, and the attention scaling factor
+        ``inv_freq`` ``[rotary_dim // 2]`` float32, and the attention scaling factor
         applied to cos and sin.
     Raises:
         ValueError: for rope types whose frequencies change with the sequence
-            length (``dynamic``, ``longrope``) and for partial rotary embeddings.
+            length (``dynamic``).
     """
     params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type in _SEQ_LEN_DEPENDENT_ROPE:
         raise ValueError(f"rope_type {rope_type!r} is not supported (frequencies depend on sequence length)")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings are not supported")
     if rope_type == "default":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         # Su et al., 2021 (RoFormer, arXiv:2104.09864): theta_i = base^(-2i/d).
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        exponent = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unknown rope_type {rope_type!r}; known: {['default', *ROPE_INIT_FUNCTIONS]}")
@@ -180,7 +184,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[T, num_heads, head_dim]``) by ``RotaryEmbedding`` cos/sin.
+    """Rotate ``x`` (``[T, num_heads, head_dim]``) by ``RotaryEmbedding`` cos/sin; with a partial rotary
+    embedding (cos narrower than ``head_dim // 2``) its first ``2 * cos.shape[-1]`` channels, the rest as is.
 
     Queries and keys may be stacked on the head axis to rotate both in one op.
     On the CPU ``x`` is rotated in place and returned (``cpu_ops.rotary_``);
@@ -188,6 +193,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     if (rotated := cpu_ops.rotary_(x, cos, sin)) is not None:
         return rotated
+    if (rotary_dim := 2 * cos.shape[-1]) != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

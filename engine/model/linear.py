@@ -122,7 +122,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return [self.tp.divide(size, f"output_sizes[{i}]") for i, size in enumerate(self.output_sizes)]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
-        """See ``LinearBase.weight_loader``: this rank's rows of shard ``shard_id`` into that shard's place."""
+        """See ``LinearBase.weight_loader``: this rank's rows of shard ``shard_id`` into that shard's place; with
+        no ``shard_id``, every shard of a checkpoint that stores them stacked too (Phi-3's ``gate_up_proj``)."""
+        if shard_id is None:
+            for index, part in enumerate(loaded.split(self.output_sizes)):
+                self.weight_loader(param, part, index)
+            return
         offset = sum(self.output_partition_sizes[:shard_id])
         target = param.data.narrow(0, offset, self.output_partition_sizes[shard_id])
         copy_shard(target, loaded, 0, self.tp.rank, self.tp.size)
@@ -151,6 +156,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False, *, linear_method: LinearMethodBase, tp: TensorParallel) -> None:
         self.head_dim = head_dim
+        self.total_sizes = [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim]
         self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = split_heads(
             total_num_heads, total_num_kv_heads, tp)
         super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_dim, bias,
@@ -161,7 +167,12 @@ class QKVParallelLinear(ColumnParallelLinear):
         return [self.num_heads * self.head_dim, kv_rows, kv_rows]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
-        """See ``LinearBase.weight_loader``: this rank's heads of the q, k or v tensor into their place."""
+        """See ``LinearBase.weight_loader``: this rank's heads of the q, k or v tensor into their place; with no
+        ``shard_id``, of all three from a checkpoint that stores them stacked too (Phi-3's ``qkv_proj``)."""
+        if shard_id is None:
+            for part_id, part in zip(("q", "k", "v"), loaded.split(self.total_sizes), strict=True):
+                self.weight_loader(param, part, part_id)
+            return
         index = ("q", "k", "v").index(shard_id)
         offset = sum(self.output_partition_sizes[:index])
         target = param.data.narrow(0, offset, self.output_partition_sizes[index])

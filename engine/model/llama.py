@@ -293,6 +293,18 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         return ArchFlags(qkv_bias=True)
 
 
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4-mini: Llama's decoder whose checkpoints store ``qkv_proj`` and ``gate_up_proj`` fused as
+    we do (no stacked-params mapping), with a partial rotary embedding (Phi-4-mini) and ``longrope`` served
+    within ``original_max_position_embeddings`` (``config.max_model_len_for``)."""
+
+    stacked_params_mapping: StackedParamsMapping = []
+
+    @staticmethod
+    def arch_flags(config: PretrainedConfig) -> ArchFlags:
+        return ArchFlags()
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: per-head RMSNorm of queries and keys before rotation; optional attention biases."""
 
