@@ -122,7 +122,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     # OpenAI's
     "functions": ("function calling (deprecated by OpenAI; use tools)", ()),
     "function_call": ("function calling", ("none",)),
-    "reasoning_effort": ("reasoning; no reasoning model is served", ()),
+    "reasoning_effort": ("reasoning effort", ()),
     "audio": ("audio output", ()),
     "modalities": ("output other than text", (["text"],)),
     "web_search_options": ("web search", ()),

@@ -67,7 +67,10 @@ from pagedserve.server.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     Response,
     ResponseError,
     ResponsesRequest,
@@ -195,6 +198,8 @@ def _input_messages(items: str | list[InputItem], history: list[ChatMessage]) ->
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=part_text(item.output)))
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier thinking: chat templates leave it out of the prompt
         else:
             messages.append(ChatMessage(role=item.role, content=part_text(item.content)))
     return messages
@@ -272,9 +277,13 @@ def new_response(request: ResponsesRequest, model: str) -> Response:
 
 
 def _output(message: AssistantMessage) -> list[OutputItem]:
-    """The output items of chat's whole reply: its text (unless it only made calls), then its calls."""
+    """The output items of chat's whole reply: its thinking (``--reasoning-parser``), its text (unless it only
+    made calls or only thought), then its calls."""
     items: list[OutputItem] = []
-    if message.content or not message.tool_calls:
+    if message.reasoning_content:
+        items.append(OutputReasoning(id=_item_id("rs"), status="completed",
+                                     content=[ReasoningText(text=message.reasoning_content)]))
+    if message.content or not (message.tool_calls or message.reasoning_content):
         items.append(OutputMessage(id=_item_id("msg"), status="completed",
                                    content=[OutputText(text=message.content or "")]))
     items += [OutputFunctionCall(id=_item_id("fc"), status="completed", call_id=call.id,
@@ -392,12 +401,22 @@ class ResponseStream:
             part = item.content[0]
             yield self._item_event("response.output_text.done", item, content_index=0, text=part.text, logprobs=[])
             yield self._item_event("response.content_part.done", item, content_index=0, part=part)
+        elif isinstance(item, OutputReasoning):
+            yield self._item_event("response.reasoning_text.done", item, content_index=0, text=item.content[0].text)
         else:
             yield self._item_event("response.function_call_arguments.done", item, name=item.name,
                                    arguments=item.arguments)
         yield self._event("response.output_item.done", output_index=self.response.output.index(item), item=item)
 
     def _delta(self, delta: DeltaMessage) -> Iterator[ServerSentEvent]:
+        if delta.reasoning_content:
+            if not isinstance(self.open, OutputReasoning):
+                yield from self._close("completed")
+                yield from self._add(OutputReasoning(id=_item_id("rs"), status="in_progress",
+                                                     content=[ReasoningText(text="")]))
+            self.open.content[0].text += delta.reasoning_content
+            yield self._item_event("response.reasoning_text.delta", self.open, content_index=0,
+                                   delta=delta.reasoning_content)
         if delta.content:
             if not isinstance(self.open, OutputMessage):
                 yield from self._close("completed")

@@ -42,7 +42,7 @@ from pagedserve.server.protocol import (
 #: name -> (what it asks for, the values that ask for nothing), as ``protocol.UNSUPPORTED_FIELDS``.
 UNSUPPORTED_RESPONSES_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "background": ("background responses", (False,)),
-    "reasoning": ("reasoning; no reasoning model is served", ({},)),
+    "reasoning": ("reasoning effort and summaries", ({},)),
     "conversation": ("conversations; use previous_response_id", ()),
     "prompt": ("stored prompt templates", ()),
     "include": ("extra output data", ([],)),
@@ -71,8 +71,8 @@ MAX_TOOL_DESCRIPTION_CHARS = 32_768
 #: A client's identifier that a stored response keeps: ``user``, ``call_id``.
 Identifier = Annotated[Text, Field(max_length=MAX_IDENTIFIER_CHARS)]
 
-#: The input item types and content part types served: text and function calls.
-_ITEM_TYPES = ("message", "function_call", "function_call_output")
+#: The input item types and content part types served: text, function calls and (dropped) reasoning.
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _PART_TYPES = ("input_text", "output_text")
 
 
@@ -124,13 +124,29 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     status: Text | None = None
 
 
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: Text
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """A model's thinking (with ``--reasoning-parser``): one of ``Response.output``, or passed back as input,
+    where it is dropped (chat templates leave earlier turns' thinking out of the prompt)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: Text | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Text | None = None
+
+
 def _item_type(item: Any) -> str:
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type)]
 
 
@@ -266,6 +282,8 @@ class ResponsesRequest(RequestBody):
             if kind not in _ITEM_TYPES:
                 raise _unsupported(f"input.{i}.type", f"input items of type {json.dumps(kind)} are",
                                    f"send {', '.join(_ITEM_TYPES)}")
+            if kind == "reasoning":
+                continue  # dropped whole (ReasoningItem)
             field = "output" if kind == "function_call_output" else "content"
             parts = item.get(field)
             for j, part in enumerate(parts if isinstance(parts, list) else ()):
@@ -324,7 +342,15 @@ class OutputFunctionCall(OpenAIBaseModel):
     arguments: str
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoning(OpenAIBaseModel):
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: ItemStatus
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(OpenAIBaseModel):

@@ -28,7 +28,7 @@ from tests.conftest import TEST_ENGINE_ARGS, sse_payloads
 THINK, END_THINK = 3, 4  # the renamed token ids
 TEMPLATES = {
     "deepseek_r1": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"),
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\nLet me think.{% endif %}"),
     "qwen3": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n"
               "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
@@ -173,6 +173,26 @@ def test_a_qwen3_reply_without_thinking_is_all_content_through_the_sdk(servers) 
                                            extra_body={"ignore_eos": True})
     message = reply.choices[0].message
     assert message.content and getattr(message, "reasoning_content", None) is None
+
+
+def test_the_responses_api_returns_the_thinking_as_a_reasoning_item(servers) -> None:
+    """Whole and streamed (``response.reasoning_text.delta`` events); passed back as input, it is dropped."""
+    client = openai.OpenAI(base_url=f"{servers['deepseek_r1'].base_url}/v1", api_key="unused", max_retries=0)
+    request = {"model": "model", "input": "What is two plus two?", "max_output_tokens": 10, "temperature": 0}
+    response = client.responses.create(**request)
+    assert [item.type for item in response.output] == ["reasoning"] and response.status == "incomplete"
+    thinking = response.output[0].content[0].text
+    assert thinking and response.output_text == ""
+
+    events = list(client.responses.create(**request, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == thinking
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [thinking]
+
+    follow_up = client.responses.create(**{**request, "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "What is two plus two?"}, *[item.model_dump() for item in response.output],
+        {"role": "user", "content": "And three plus three?"}]})
+    assert follow_up.status in ("completed", "incomplete")
 
 
 def test_chat_template_kwargs_may_not_set_what_the_request_sets(servers) -> None:

@@ -285,7 +285,7 @@ def test_function_call_output_round_trip_reads_as_the_chat_tool_messages(openai_
     ({"input": [{"role": "user", "content": "Hi"}, {"type": "input_file", "file_id": "f"}]}, "input.1.type"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]},
      "input.0.output.0.type"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input.0.type"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"input": "Hi", "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
     ({"input": "Hi", "background": True}, "background"),
