@@ -38,6 +38,7 @@ TINY_ARCHITECTURES: dict[str, dict] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 2.0},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
                   "head_dim": 16},
 }

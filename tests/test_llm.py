@@ -188,7 +188,7 @@ def test_seeded_request_same_alone_and_in_full_batch():
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "llama", "gemma2", "gemma3_text", "mixtral",
-                                        "qwen2_moe", "qwen3_moe", "phi3"])
+                                        "qwen2_moe", "qwen3_moe", "phi3", "olmoe"])
 def test_tiny_architectures_match_transformers_through_llm(model_type, tmp_path, tokenizer):
     hf = tiny_hf_model(model_type, tmp_path, tie_word_embeddings=model_type in ("qwen3", "gemma2", "gemma3_text"))
     tokenizer.save_pretrained(tmp_path)  # any tokenizer will do: prompts are token ids below 256

@@ -20,7 +20,13 @@ from pagedserve.engine.model import cpu_ops
 from pagedserve.engine.model.linear import MergedColumnParallelLinear, RowParallelLinear
 from pagedserve.engine.model.linear_methods import LinearMethodBase
 from pagedserve.engine.model.parallel import TensorParallel
-from pagedserve.engine.model.weights import ShardId, check_shape, default_weight_loader, set_weight_loader
+from pagedserve.engine.model.weights import (
+    ShardId,
+    check_shape,
+    copy_shard,
+    default_weight_loader,
+    set_weight_loader,
+)
 
 # Rope types whose inverse frequencies depend on the current sequence length;
 # a fixed cos/sin table cannot express them.
@@ -117,6 +123,52 @@ class QKNorm(RMSNorm):
         rows = param.data[:self.num_heads] if shard_id == "q" else param.data[self.num_heads:]
         check_shape(loaded, rows.shape[1:])
         rows.copy_(self.stored(loaded))
+
+
+class ProjectionQKNorm(nn.Module):
+    """OLMoE's RMSNorm of the whole query and the whole key projection (over all heads, not each head), on this
+    rank's heads: the mean square sums every rank's share (one all-reduce each), and a KV head held by several
+    ranks counts once. The arithmetic is ``LlamaRMSNorm``'s (float32 statistics, cast back before the weight).
+
+    The weight is this rank's slice of the checkpoint's ``q_norm`` (``[num_heads * head_dim]`` over all ranks)
+    then of its ``k_norm`` (shard ids ``"q"``, ``"k"``).
+
+    Args:
+        num_heads, num_kv_heads: query and key heads on this rank.
+        head_dim: channels per head.
+        total_num_heads, total_num_kv_heads: heads over all ranks.
+        kv_head_replicas: ranks holding each KV head (``QKVParallelLinear``).
+        eps: added to the mean square.
+        tp: the tensor-parallel group.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, total_num_heads: int,
+                 total_num_kv_heads: int, kv_head_replicas: int, eps: float, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads, self.eps, self.tp, self.kv_head_replicas = num_heads, eps, tp, kv_head_replicas
+        self.widths = (total_num_heads * head_dim, total_num_kv_heads * head_dim)
+        self.weight = nn.Parameter(torch.empty(num_heads + num_kv_heads, head_dim), requires_grad=False)
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId | None = None) -> None:
+        """This rank's heads of the ``q_norm`` (``"q"``) or ``k_norm`` (``"k"``) weight into their rows."""
+        if shard_id == "q":
+            copy_shard(param.data[:self.num_heads].view(-1), loaded, 0, self.tp.rank, self.tp.size)
+        else:
+            replicas = self.kv_head_replicas
+            copy_shard(param.data[self.num_heads:].view(-1), loaded, 0, self.tp.rank // replicas,
+                       self.tp.size // replicas)
+
+    def forward(self, qk: torch.Tensor) -> torch.Tensor:
+        """``[T, num_heads + num_kv_heads, head_dim]`` -> the same, queries and keys each normalised whole."""
+        parts = []
+        for part, weight, width, replicas in ((qk[:, :self.num_heads], self.weight[:self.num_heads], self.widths[0], 1),
+                                              (qk[:, self.num_heads:], self.weight[self.num_heads:], self.widths[1],
+                                               self.kv_head_replicas)):
+            x32 = part.float()
+            sum_sq = self.tp.all_reduce(x32.pow(2).sum(dim=(-2, -1), keepdim=True)) / replicas
+            parts.append(weight * (x32 * torch.rsqrt(sum_sq / width + self.eps)).to(qk.dtype))
+        return torch.cat(parts, dim=1)
 
 
 def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:

@@ -33,7 +33,14 @@ from transformers import PretrainedConfig
 
 from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pagedserve.engine.model.fused_decode import FusedDecoder
-from pagedserve.engine.model.layers import GatedMLP, QKNorm, RMSNorm, RotaryEmbedding, apply_rotary
+from pagedserve.engine.model.layers import (
+    GatedMLP,
+    ProjectionQKNorm,
+    QKNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+)
 from pagedserve.engine.model.linear import QKVParallelLinear, RowParallelLinear
 from pagedserve.engine.model.linear_methods import LinearMethodBase, release_plain_weights
 from pagedserve.engine.model.parallel import TensorParallel
@@ -50,6 +57,8 @@ class ArchFlags:
     o_bias: bool = False    # bias on o_proj
     mlp_bias: bool = False  # biases on gate_proj, up_proj, down_proj
     qk_norm: bool = False   # RMSNorm over head_dim of each query and key head, before rotation
+    projection_qk_norm: bool = False  # RMSNorm over the whole query and key projections (OLMoE)
+    clip_qkv: float | None = None     # queries, keys and values clamped to [-clip, clip] (OLMo)
     norm_unit_offset: bool = False  # norms scale by 1 + w (Gemma; RMSNorm's unit_offset)
 
 
@@ -95,8 +104,15 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         flags.o_bias, linear_method=linear_method, tp=tp)
-        self.qk_norm = (QKNorm(self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps,
-                               flags.norm_unit_offset) if flags.qk_norm else None)
+        self.qk_norm: nn.Module | None = None
+        if flags.qk_norm:
+            self.qk_norm = QKNorm(self.num_heads, self.num_kv_heads, self.head_dim, config.rms_norm_eps,
+                                  flags.norm_unit_offset)
+        elif flags.projection_qk_norm:
+            self.qk_norm = ProjectionQKNorm(self.num_heads, self.num_kv_heads, self.head_dim,
+                                            config.num_attention_heads, config.num_key_value_heads,
+                                            self.qkv_proj.num_kv_head_replicas, config.rms_norm_eps, tp)
+        self.clip_qkv = flags.clip_qkv
         self.backend = backend
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -110,6 +126,8 @@ class LlamaAttention(nn.Module):
         qk = qk.view(num_tokens, qk_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
+        if self.clip_qkv is not None:
+            qk, v = qk.clamp(-self.clip_qkv, self.clip_qkv), v.clamp(-self.clip_qkv, self.clip_qkv)
         q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.backend.forward(q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache,
                                    attn_metadata, self.scale, self.sliding_window)

@@ -1,4 +1,4 @@
-"""The Llama family's mixtures of experts: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The Llama family's mixtures of experts: Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE.
 
 Each is its dense sibling's decoder (``llama.py``: attention, norms, rope,
 sliding windows) with a ``SparseMoeBlock`` (``moe.py``) in place of the MLP of
@@ -13,6 +13,9 @@ its sparse layers:
   ``norm_topk_prob``; biases on q/k/v as Qwen2.
 * Qwen3-MoE: Qwen3's attention (per-head q/k norms), experts as Qwen2-MoE's without the
   shared one.
+* OLMoE (Muennighoff et al., 2024, arXiv:2409.02060): RMSNorm of the whole query and key
+  projections (``ProjectionQKNorm``), optionally clamped (``clip_qkv``); 64 experts of
+  ``intermediate_size``, 8 per token, renormalised when ``norm_topk_prob``.
 
 The Qwen models put experts in layer i when i is not in ``mlp_only_layers`` and
 ``(i + 1) % decoder_sparse_step == 0``; the other layers keep a dense MLP of
@@ -83,3 +86,19 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 with routed experts."""
 
     mlp_block = staticmethod(qwen_moe_block)
+
+
+class OlmoeForCausalLM(LlamaForCausalLM):
+    """OLMoE: whole-projection q/k norms, clamped q/k/v where ``clip_qkv`` is set, routed experts in every layer."""
+
+    @staticmethod
+    def arch_flags(config: PretrainedConfig) -> ArchFlags:
+        return ArchFlags(projection_qk_norm=True, clip_qkv=getattr(config, "clip_qkv", None))
+
+    @staticmethod
+    def mlp_block(config: PretrainedConfig, flags: ArchFlags, layer_index: int, *, linear_method: LinearMethodBase,
+                  tp: TensorParallel) -> MLPBlock:
+        """Every layer: ``num_experts`` experts of ``intermediate_size``, top ``num_experts_per_tok``."""
+        return "mlp", SparseMoeBlock(
+            config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok,
+            renormalize=bool(config.norm_topk_prob), linear_method=linear_method, tp=tp)

@@ -28,6 +28,7 @@ _ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "pagedserve.engine.model.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedserve.engine.model.llama:MistralForCausalLM",
     "MixtralForCausalLM": "pagedserve.engine.model.llama_moe:MixtralForCausalLM",
+    "OlmoeForCausalLM": "pagedserve.engine.model.llama_moe:OlmoeForCausalLM",
     "Phi3ForCausalLM": "pagedserve.engine.model.llama:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "pagedserve.engine.model.llama:Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM": "pagedserve.engine.model.llama_moe:Qwen2MoeForCausalLM",
