@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.model.windows import uniform_sliding_window
 from pagedserve.engine.reasoning import REASONING_FORMATS
 
 _SIZE_UNITS = {
@@ -252,11 +253,16 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The KV cache's shape, resolved from ``EngineArgs`` and memory."""
+    """The KV cache's shape, resolved from ``EngineArgs`` and memory.
+
+    ``sliding_window``: the window every layer of the model shares (Mistral v0.1, Phi-3-mini), whose blocks wholly
+    before it a request gives back as it goes; None (any layer attends to everything) keeps them all.
+    """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -340,6 +346,7 @@ class EngineConfig:
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold,
                                                     args.async_scheduling),
-                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching),
+                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching,
+                                            uniform_sliding_window(model_config.hf_config)),
                    speculative_config=None if args.speculative_config is None
                    else SpeculativeConfig.from_dict(args.speculative_config))

@@ -98,3 +98,42 @@ def test_the_dashboard_s_views_count_blocks_by_state_and_owner():
     states = manager.block_pool.block_states()
     assert len(states) == 10 and states[0] == (1, False)
     assert sorted(states[1:]).count((0, True)) == 2 and manager.block_ids_by_request() == {}
+
+
+def run_to(manager: KVCacheManager, request: Request, num_tokens: int, chunk: int) -> None:
+    """Schedule ``request`` as the scheduler would, ``chunk`` tokens a step, until ``num_tokens`` are computed."""
+    while request.num_computed_tokens < num_tokens:
+        step = min(chunk, num_tokens - request.num_computed_tokens)
+        assert manager.allocate_slots(request, step) is not None
+        request.num_computed_tokens += step
+
+
+def test_a_sliding_window_gives_back_the_blocks_before_it_and_frees_the_rest_once():
+    """Window 8, blocks of 4: a step whose first token sits at position p reads keys from p - 7 on, so the blocks
+    wholly before p - 7 are given back (their places hold the null block), still cached; the rest is freed at the
+    end, once."""
+    manager = KVCacheManager(num_blocks=20, block_size=4, sliding_window=8)
+    request = Request("r", list(range(3, 44)), SamplingParams(), None, block_size=4)
+    run_to(manager, request, 41, chunk=5)  # the last step computes position 40 alone
+    null = manager.block_pool.null_block
+    # Before position 40 - 7 = 33: blocks 0-7 (positions 0-31) are given back; 8, 9 and 10 are held.
+    assert manager.req_to_blocks["r"][:8] == [null] * 8 and null not in manager.req_to_blocks["r"][8:]
+    assert manager.num_blocks_of("r") == 3 and manager.block_pool.get_num_free_blocks() == 19 - 3
+    assert len(manager.block_ids_by_request()["r"]) == 3
+    assert len(manager.block_pool.cached_block_hash_to_block) == 10  # the given-back blocks stay cached
+    manager.free(request)
+    assert manager.block_pool.get_num_free_blocks() == 19 and null.ref_cnt == 1
+
+
+def test_a_hit_on_a_sliding_window_model_gives_back_the_hit_blocks_before_the_window():
+    manager = KVCacheManager(num_blocks=20, block_size=4, sliding_window=8)
+    first = Request("a", list(range(3, 43)), SamplingParams(), None, block_size=4)
+    run_to(manager, first, 40, chunk=40)
+    manager.free(first)
+    second = Request("b", list(range(3, 43)) + [99], SamplingParams(), None, block_size=4)
+    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    assert num_hit_tokens == 40
+    assert manager.allocate_slots(second, 1, num_hit_tokens, hits) is not None
+    assert manager.num_blocks_of("b") == 3  # hits 8 and 9 and a new block 10 for position 40; 0-7 given back
+    manager.free(second)
+    assert manager.block_pool.get_num_free_blocks() == 19

@@ -13,15 +13,26 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Allocates KV blocks to requests and finds cached prefixes.
 
+    With a sliding window shared by every layer, a request gives back each block that falls wholly before the
+    window of its next token (vLLM's ``SlidingWindowManager``): its place in the request's list becomes the
+    null block, which nothing reads (the attention kernels start at the window), and the block joins the free
+    queue still cached, so a later request with the same prefix may yet hit it. A long request then holds about
+    ``window / block_size + 1`` blocks instead of one per ``block_size`` tokens.
+
     Args:
         num_blocks: blocks in the pool, the reserved null block included.
         block_size: tokens per block.
         enable_caching: prefix caching on or off.
+        sliding_window: the window every layer shares, in tokens; None keeps every block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        # Leading blocks of each request already given back (sliding_window).
+        self.num_skipped_blocks: dict[str, int] = {}
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Blocks of each request already registered in the prefix-cache index.
@@ -89,6 +100,8 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        if self.sliding_window is not None and req_blocks:
+            self._free_blocks_before_window(request.request_id, req_blocks, num_computed)
         if not new_computed_blocks and num_required <= len(req_blocks):
             # Decode fast path (15 steps in 16): room in the last block, and no
             # block became full, except when these tokens filled one.
@@ -110,7 +123,22 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        if self.sliding_window is not None and new_computed_blocks:  # hits wholly before the window
+            self._free_blocks_before_window(request.request_id, req_blocks, num_computed)
         return new_blocks
+
+    def _free_blocks_before_window(self, request_id: str, req_blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Give back the blocks no query from position ``num_computed`` on reads: those wholly before
+        ``num_computed - sliding_window + 1``, its first key. Later blocks first, so that a prefix's root is
+        evicted last, as in ``free``."""
+        start = self.num_skipped_blocks.get(request_id, 0)
+        end = min(max(num_computed - self.sliding_window + 1, 0) // self.block_size, len(req_blocks))
+        if end <= start:
+            return
+        freed = req_blocks[start:end]
+        req_blocks[start:end] = [self.block_pool.null_block] * (end - start)
+        self.num_skipped_blocks[request_id] = end
+        self.block_pool.free_blocks(reversed(freed))
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         # Blocks are registered before this step writes their K/V. A request that
@@ -131,18 +159,21 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        skipped = self.num_skipped_blocks.pop(request.request_id, 0)
+        self.block_pool.free_blocks(reversed(blocks[skipped:]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
     def num_blocks_of(self, request_id: str) -> int:
-        """Blocks ``request_id`` holds (0 for an unknown request)."""
-        return len(self.req_to_blocks.get(request_id, ()))
+        """Blocks ``request_id`` holds (0 for an unknown request), those given back before its window left out."""
+        return len(self.req_to_blocks.get(request_id, ())) - self.num_skipped_blocks.get(request_id, 0)
 
     def block_ids_by_request(self) -> dict[str, list[int]]:
-        """Each request holding blocks -> their ids, in its sequence's order."""
-        return {req_id: [b.block_id for b in blocks] for req_id, blocks in self.req_to_blocks.items() if blocks}
+        """Each request holding blocks -> their ids, in its sequence's order (those given back left out)."""
+        null = self.block_pool.null_block
+        return {req_id: [b.block_id for b in blocks if b is not null]
+                for req_id, blocks in self.req_to_blocks.items() if blocks}
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False when requests still hold blocks."""

@@ -105,7 +105,7 @@ class Scheduler:
         self.spec_decoding_stats = SpecDecodingStats.new(drafter.num_speculative_tokens) if drafter else None
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching, cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

@@ -19,7 +19,7 @@ The Llama decoder with Gemma's changes, each mirrored from transformers'
 * the head is tied to the embedding (unless the config says otherwise); logits may be soft-capped
   (``final_logit_softcapping``: ``cap * tanh(logits / cap)``).
 
-The KV cache keeps every block of a local layer (see ``llama.py``).
+The KV cache keeps every block of a local layer: its global layers read them all (see ``llama.py``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,12 @@ from transformers import PretrainedConfig
 from pagedserve.engine.model.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from pagedserve.engine.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagedserve.engine.model.linear_methods import LinearMethodBase
-from pagedserve.engine.model.llama import ArchFlags, LlamaAttention, LlamaForCausalLM, layer_windows
+from pagedserve.engine.model.llama import ArchFlags, LlamaAttention, LlamaForCausalLM
 from pagedserve.engine.model.parallel import TensorParallel
 from pagedserve.engine.model.registry import CausalLM
 from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
+from pagedserve.engine.model.windows import layer_windows
 
 
 class GemmaDecoderLayer(nn.Module):

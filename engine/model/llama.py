@@ -17,9 +17,10 @@ its rank's slice of a checkpoint tensor into its place.
 
 Sliding-window attention (Mistral v0.1; Qwen2 and Qwen3 with
 ``use_sliding_window``, on the layers from ``max_window_layers`` on) is each
-layer's ``sliding_window`` (``layer_windows``), honoured by every attention
-backend. The KV cache still keeps every block of such a layer, including those
-wholly before its window.
+layer's ``sliding_window`` (``windows.layer_windows``), honoured by every attention
+backend. When every layer shares the window, the KV cache gives back the blocks
+wholly before it (``KVCacheManager``); a model mixing windowed and full layers keeps
+them all.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pagedserve.engine.model.parallel import TensorParallel
 from pagedserve.engine.model.registry import CausalLM
 from pagedserve.engine.model.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.engine.model.weights import StackedParamsMapping, checkpoint_weight_names, load_weights
+from pagedserve.engine.model.windows import layer_windows
 
 
 @dataclass(frozen=True)
@@ -64,22 +66,6 @@ class ArchFlags:
 
 def _head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def layer_windows(config: PretrainedConfig) -> list[int | None]:
-    """Each layer's sliding window in tokens, None for full attention.
-
-    transformers' convention: ``layer_types`` names the sliding layers where the config has it (Qwen2 and Qwen3,
-    whose config clears ``sliding_window`` unless ``use_sliding_window``); without it (Mistral) a
-    ``sliding_window`` applies to every layer.
-    """
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if window is None:
-        return [None] * config.num_hidden_layers
-    if layer_types is None:
-        return [window] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 class LlamaAttention(nn.Module):
