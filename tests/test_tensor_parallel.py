@@ -43,8 +43,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 #: checkpoint stores q/k/v and gate/up fused: each rank takes its heads and rows of the fused tensors. OLMoE's
 #: norm of the whole key projection sums over the ranks, its one KV head (held by both) counted once.
 FAMILIES = {"llama": (False, {}), "qwen2": (True, {}), "qwen3": (False, {}),
-            "mistral": (False, {"num_key_value_heads": 1}), "gemma3_text": (True, {}), "qwen2_moe": (False, {}),
-            "phi3": (False, {}), "olmoe": (False, {"num_key_value_heads": 1})}
+            "mistral": (False, {"num_key_value_heads": 1}), "qwen2_moe": (False, {}), "phi3": (False, {}),
+            "olmoe": (False, {"num_key_value_heads": 1})}
 _rng = np.random.default_rng(0)
 PROMPTS = [_rng.integers(3, 256, size=n).tolist() for n in (40, 70, 23, 55, 9, 61)]
 #: Greedy, seeded and unseeded random: every rank must sample the same tokens from the same RNG state.
