@@ -129,7 +129,7 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 @dataclass(frozen=True)
 class ReasoningTokens:
-    """A format's tags as token ids of one tokenizer, for the engine's grammars.
+    """A format's tags as token ids of one tokenizer, for the engine's grammars; ``starts_inside`` as the format's.
 
     Raises (``of``):
         ValueError: when the tokenizer does not have each tag as one token.
@@ -137,6 +137,7 @@ class ReasoningTokens:
 
     start_id: int
     end_id: int
+    starts_inside: bool = False
 
     @classmethod
     def of(cls, fmt: ReasoningFormat, tokenizer: PreTrainedTokenizerBase) -> ReasoningTokens:
@@ -147,14 +148,15 @@ class ReasoningTokens:
                 raise ValueError(f"reasoning_parser {fmt.name!r} needs {tag} as one token of the model's "
                                  f"tokenizer; it encodes to {len(token_ids)}")
             ids.append(token_ids[0])
-        return cls(*ids)
+        return cls(*ids, starts_inside=fmt.starts_inside)
 
-    def ended(self, token_ids: Sequence[int]) -> bool:
-        """Whether the reasoning of a sequence (prompt and output so far) has ended: its last end tag comes
-        after its last start tag. With neither, it has not: the reply may yet open one."""
-        for token_id in reversed(token_ids):
+    def prompt_state(self, prompt_token_ids: Sequence[int]) -> str:
+        """Where a reply to this prompt starts: ``"answer"`` (the prompt's last tag closes a thinking block),
+        ``"reasoning"`` (its last tag opens one, or it has none and the format starts inside), or ``"open"``
+        (no tag and thinking optional: the reply's first token decides)."""
+        for token_id in reversed(prompt_token_ids):
             if token_id == self.end_id:
-                return True
+                return "answer"
             if token_id == self.start_id:
-                return False
-        return False
+                return "reasoning"
+        return "reasoning" if self.starts_inside else "open"

@@ -190,12 +190,12 @@ class _ChatStream:
             reasoning, text = split_reasoning(self.reasoning, completion.text)
             text = text or ""
         if self.tool_parser is None:
-            content = self.echo + text
-            # A reply that is all reasoning has no content (null), as in vLLM.
-            message = AssistantMessage(content=content if content or self.reasoning is None else None)
+            message = AssistantMessage(content=self.echo + text)
         else:
             message, made_calls = reply_message(self.tool_parser(), text, self.echo)
             reason = tool_finish_reason(reason, made_calls)
+        if self.reasoning is not None and not message.content:
+            message.content = None  # a reply that is all reasoning has no content (null), as in vLLM
         message.reasoning_content = message.reasoning = reasoning
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
                           finish_reason=reason)
@@ -212,7 +212,8 @@ class _ChatStream:
         return reasoning, text
 
     def _chunk(self, choice: ChatStreamChoice, num_output_tokens: int) -> ChatCompletionChunk:
-        """A chunk of one choice, with the usage so far under ``continuous_usage_stats``."""
+        """A chunk of one choice, with its usage so far (``num_output_tokens``: the choice's own, as vLLM counts)
+        under ``continuous_usage_stats``."""
         update = {"choices": [choice]}
         if self.request.continuous_usage:
             update["usage"] = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
@@ -223,6 +224,7 @@ class _ChatStream:
         """The role chunks once the engine answers (and the echo chunks), a chunk per choice
         that advanced, then the usage chunk when asked for."""
         num_output_tokens = 0
+        choice_tokens: dict[int, int] = {}  # by choice index
         started = False
         with engine_errors(self.client_names):
             async with aclosing(outputs):
@@ -238,6 +240,8 @@ class _ChatStream:
                                 yield self._chunk(ChatStreamChoice(index=index, delta=delta), 0)
                     for completion in output.outputs:
                         num_output_tokens += len(completion.token_ids)
+                        choice_tokens[completion.index] = choice_tokens.get(completion.index, 0) + len(
+                            completion.token_ids)
                         logprobs = self.logprobs(completion)
                         reasoning, text = self._split(completion)
                         content, tool_calls = text or None, None
@@ -252,7 +256,7 @@ class _ChatStream:
                                                  reasoning_content=reasoning or None, reasoning=reasoning or None)
                             yield self._chunk(ChatStreamChoice(index=completion.index, delta=delta,
                                                                logprobs=logprobs, finish_reason=reason),
-                                              num_output_tokens)
+                                              choice_tokens[completion.index])
         if self.request.include_usage:
             usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)
             yield self.head.model_copy(update={"usage": usage})

@@ -207,20 +207,23 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
 async def _chunks(head: CompletionResponse, request: CompletionRequest, num_prompt_tokens: int,
                   builder: _ChoiceBuilder, outputs: AsyncGenerator[tuple[int, RequestOutput], None],
                   client_names: dict[str, str]) -> AsyncGenerator[CompletionResponse, None]:
-    """One chunk per choice that advanced (with the usage so far under ``continuous_usage_stats``), then the
-    usage chunk when asked for."""
+    """One chunk per choice that advanced (with that choice's usage so far under ``continuous_usage_stats``: its
+    prompt's tokens and its own, as vLLM counts), then the usage chunk when asked for."""
     num_output_tokens = 0
+    choice_tokens: dict[int, int] = {}  # by choice index
     with engine_errors(client_names):
         async with aclosing(outputs):
             async for prompt_index, output in outputs:
                 choices = await builder.choices(prompt_index, output)
                 for choice, completion in zip(choices, output.outputs, strict=True):
                     num_output_tokens += len(completion.token_ids)
+                    choice_tokens[choice.index] = choice_tokens.get(choice.index, 0) + len(completion.token_ids)
                     has_logprobs = choice.logprobs is not None and choice.logprobs.tokens
                     if choice.text or has_logprobs or completion.finished:
                         update = {"choices": [choice]}
                         if request.continuous_usage:
-                            update["usage"] = UsageInfo.of(num_prompt_tokens, num_output_tokens)
+                            update["usage"] = UsageInfo.of(len(builder.prompts[prompt_index].prompt_token_ids),
+                                                           choice_tokens[choice.index])
                         yield head.model_copy(update=update)
     if request.include_usage:
         yield head.model_copy(update={"usage": UsageInfo.of(num_prompt_tokens, num_output_tokens)})

@@ -147,7 +147,7 @@ def test_where_it_does_not_apply_it_does_nothing(tmp_path_factory, monkeypatch) 
 
 
 @pytest.mark.parametrize(("model_type", "dtype", "quantization", "reason"), [
-    ("qwen3", torch.float32, "int8", "per-head query and key norms"),
+    ("qwen3", torch.float32, "int8", "no query and key norms"),
     ("llama", torch.bfloat16, None, "dense weights in float32 only"),
     ("mixtral", torch.float32, "int8", "not mixtures of experts"),  # its experts quantized, layer by layer
 ])

@@ -39,7 +39,7 @@ from pagedserve.engine.model.loader import (
     resolve_model_path,
 )
 from pagedserve.engine.model.parallel import TensorParallel
-from pagedserve.engine.model.registry import CausalLM, supported_architectures
+from pagedserve.engine.model.registry import CausalLM, model_class, supported_architectures
 from tests.model_fixtures import embedded_gguf_path
 
 pytestmark = pytest.mark.slow
@@ -205,6 +205,16 @@ def test_a_longrope_model_serves_within_its_original_positions(tmp_path) -> None
     assert max_model_len_for(None, config) == 128 and max_model_len_for(100, config) == 100
     with pytest.raises(ValueError, match="original_max_position_embeddings 128"):
         max_model_len_for(129, config)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_ARCHITECTURES))
+def test_mixtures_of_experts_say_cuda_graphs_cannot_replay_them(model_type: str) -> None:
+    """Routing sizes each expert's batch by the values: the runner must not capture such a model's decode."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    moe = any(name in model_type for name in ("moe", "mixtral"))
+    assert model_class(config).supports_cuda_graphs is not moe
 
 
 def test_checkpoint_missing_a_weight_is_rejected(tmp_path) -> None:

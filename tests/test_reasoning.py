@@ -166,6 +166,16 @@ def test_enable_thinking_false_reaches_the_template_and_the_grammar_holds_from_t
     assert "reasoning_content" not in message and "reasoning" not in message
 
 
+def test_a_qwen3_reply_that_does_not_open_with_think_is_held_to_the_grammar_from_its_first_token(servers) -> None:
+    """Regression: with thinking optional and undecided by the prompt, the grammar waited for a ``</think>`` that
+    never came. The first token's mask now allows the grammar's tokens and ``<think>``; banning the latter leaves
+    an answer held to the schema from the start."""
+    message = chat(servers["qwen3"], max_tokens=24, logit_bias={str(THINK): -100},
+                   response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(message["content"]), SCHEMA)
+    assert "reasoning_content" not in message
+
+
 def test_a_qwen3_reply_without_thinking_is_all_content_through_the_sdk(servers) -> None:
     client = openai.OpenAI(base_url=f"{servers['qwen3'].base_url}/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(model="model", messages=QUESTION, max_tokens=8, temperature=0,

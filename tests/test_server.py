@@ -151,6 +151,11 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: http
     assert counts == sorted(counts) and counts[-1] == usage_chunk["usage"]["completion_tokens"] == 6
     plain = stream(client, path, **body, stream_options={"continuous_usage_stats": True})
     assert all(c.get("usage") is None for c in plain[:-1])
+    # Each choice counts its own tokens, as vLLM does.
+    chunks = stream(client, path, **body, n=2, stream_options=options)[:-2]
+    for index in (0, 1):
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert counts == sorted(counts) and counts[-1] == 6
 
 
 def test_server_text_equals_offline_llm_text(client: httpx.Client) -> None:

@@ -234,7 +234,9 @@ LLAMA3_OUTPUTS = {
     "arguments for parameters": (' {"name": "get_time", "arguments": {}}', "", [("get_time", "{}")]),
     "keys in another order": ('{"parameters": {"x": 1}, "name": "f"}', "", [("f", '{"x": 1}')]),
     "cut short in the parameters": ('{"name": "f", "parameters": {"x": [1, ', "", [("f", '{"x": [1, ')]),
-    "not JSON": ("{nonsense", "", []),
+    "not JSON": ("{nonsense", "{nonsense", []),
+    "JSON that is no call": ('{"city": "Paris", "temp": 20}', '{"city": "Paris", "temp": 20}', []),
+    "the python tag before code": ("<|python_tag|>print(1)", "<|python_tag|>print(1)", []),
 }
 #: Each parser with its replies: (text, content, calls).
 PARSER_OUTPUTS = {HermesToolParser: OUTPUTS, Llama3JsonToolParser: LLAMA3_OUTPUTS}

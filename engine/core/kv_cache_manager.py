@@ -78,7 +78,8 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Whether ``allocate_slots(request, num_new_tokens)`` would succeed now (a running request)."""
+        """Whether ``allocate_slots(request, num_new_tokens)`` would succeed now (a running request); with a
+        sliding window it may say no where giving back the blocks before the window would have made room."""
         num_blocks = len(self.req_to_blocks.get(request.request_id, ()))
         num_required = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
         return num_required - num_blocks <= self.block_pool.get_num_free_blocks()
@@ -95,7 +96,8 @@ class KVCacheManager:
 
         Returns:
             The newly allocated blocks (possibly empty), or None when the pool
-            cannot hold them; nothing changes in that case.
+            cannot hold them; nothing else changes then (with a sliding window, the blocks
+            before the window may have been given back: no query reads them any more).
         """
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens

@@ -171,7 +171,7 @@ class FusedDecoder:
         first = decoder.layers[0]
         attention = first.self_attn
         if attention.qk_norm is not None:
-            return "the fused decode has no per-head query and key norms (Qwen3)"
+            return "the fused decode has no query and key norms (Qwen3, OLMoE)"
         if not all(isinstance(getattr(layer, "mlp", None), GatedMLP) for layer in decoder.layers):
             return "the fused decode runs dense MLPs, not mixtures of experts"
         heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim

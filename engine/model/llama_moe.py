@@ -45,6 +45,8 @@ from pagedserve.engine.model.weights import StackedParamsMapping
 class MixtralForCausalLM(MistralForCausalLM):
     """Mixtral: Mistral with eight (``num_local_experts``) experts in every layer."""
 
+    supports_cuda_graphs = False  # routing sizes each expert's batch by the values
+
     #: Attention as Llama's; an expert's w1 and w3 fused as gate_up_proj, w2 its down_proj.
     stacked_params_mapping: StackedParamsMapping = [
         *LlamaForCausalLM.stacked_params_mapping[:3],
@@ -79,17 +81,23 @@ def qwen_moe_block(config: PretrainedConfig, flags: ArchFlags, layer_index: int,
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """Qwen2-MoE: Qwen2 with routed experts and a gated shared expert."""
 
+    supports_cuda_graphs = False
+
     mlp_block = staticmethod(qwen_moe_block)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 with routed experts."""
 
+    supports_cuda_graphs = False
+
     mlp_block = staticmethod(qwen_moe_block)
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):
     """OLMoE: whole-projection q/k norms, clamped q/k/v where ``clip_qkv`` is set, routed experts in every layer."""
+
+    supports_cuda_graphs = False
 
     @staticmethod
     def arch_flags(config: PretrainedConfig) -> ArchFlags:

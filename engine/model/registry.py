@@ -57,6 +57,9 @@ class CausalLM(nn.Module, ABC):
     head_dim: int
     vocab_size: int
     attn_backend: AttentionBackend
+    #: Whether a CUDA graph can replay a decode step: no shapes that depend on the values (a mixture of experts'
+    #: routing does).
+    supports_cuda_graphs: bool = True
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

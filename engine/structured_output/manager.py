@@ -25,7 +25,9 @@ class GuidanceManager:
 
     With a reasoning format (``--reasoning-parser``) a grammar constrains only what follows the end of the
     reasoning, as in vLLM: a request still reasoning gets no mask, and its matcher takes the tokens after the
-    end tag.
+    end tag. Where thinking is optional (Qwen3) and the prompt has not decided, the first token's mask is the
+    grammar's plus the start tag: a reply that opens with it reasons first, any other is the answer, held to
+    the grammar from its first token.
 
     Args:
         compiler: the engine's. On a thread of the server's process (``InprocClient``, offline ``LLM``) it is
@@ -40,13 +42,16 @@ class GuidanceManager:
         self._templates: dict[str, Future[llguidance.LLMatcher]] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         self._reasoning: set[str] = set()  # requests whose reasoning has not ended
+        self._open: set[str] = set()       # requests whose first token decides whether they reason
         self._executor = llguidance.LLExecutor(NUM_MASK_THREADS)
 
     def add_request(self, request: Request) -> None:
         """Start compiling ``request``'s grammar, or find it in the compiler's cache."""
         self._templates[request.request_id] = self.compiler.compile(request.sampling_params.structured_outputs)
-        if self.reasoning is not None and not self.reasoning.ended(request.prompt_token_ids):
-            self._reasoning.add(request.request_id)
+        if self.reasoning is not None:
+            state = self.reasoning.prompt_state(request.prompt_token_ids)
+            if state != "answer":
+                (self._reasoning if state == "reasoning" else self._open).add(request.request_id)
 
     def grammar_error(self, request_id: str) -> str | None:
         """Why the grammar did not compile (or its compilation was cancelled, at shutdown)."""
@@ -84,11 +89,20 @@ class GuidanceManager:
             return None
         bitmask = np.empty((len(rows), (self.compiler.vocab_size + 31) // 32), dtype=np.int32)
         fill_next_token_bitmask_par(self._executor, [(self._matchers[r], i) for i, r in enumerate(rows)], bitmask)
+        if self._open:
+            start = self.reasoning.start_id
+            for i, req_id in enumerate(rows):
+                if req_id in self._open:  # the start tag too: the reply may open a thinking block
+                    bitmask.view(np.uint32)[i, start // 32] |= np.uint32(1 << (start % 32))
         return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask)
 
     def accept_tokens(self, request_id: str, token_ids: list[int]) -> str | None:
         """Advance the matcher by the tokens after the reasoning; None when it takes them, else llguidance's
         error."""
+        if request_id in self._open and token_ids:
+            self._open.discard(request_id)
+            if token_ids[0] == self.reasoning.start_id:
+                self._reasoning.add(request_id)
         if request_id in self._reasoning:
             if self.reasoning.end_id not in token_ids:
                 return None
@@ -109,3 +123,4 @@ class GuidanceManager:
         self._templates.pop(request_id, None)
         self._matchers.pop(request_id, None)
         self._reasoning.discard(request_id)
+        self._open.discard(request_id)

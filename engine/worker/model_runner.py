@@ -121,7 +121,10 @@ class ModelRunner:
         torch.manual_seed(config.args.seed)
         self.cuda_graphs: CudaGraphRunner | None = None
         if device.type == "cuda" and not config.args.enforce_eager:
-            if model.attn_backend.supports_cuda_graphs:
+            if not model.supports_cuda_graphs:
+                logger.info("CUDA graphs are off: %s routes tokens to experts by their values (data-dependent "
+                            "shapes a graph cannot replay)", type(model).__name__)
+            elif model.attn_backend.supports_cuda_graphs:
                 self.cuda_graphs = CudaGraphRunner(
                     lambda ids, pos, md: self.model(ids, pos, self.kv_caches, model.attn_backend.build_metadata(md)),
                     capture_sizes(max_num_reqs), self.input_batch.block_table.block_table.shape[1], max_model_len,

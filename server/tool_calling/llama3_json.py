@@ -3,7 +3,8 @@
     {"name": "get_weather", "parameters": {"city": "Paris"}}
 
 optionally after ``<|python_tag|>``, several separated by ``;``. A reply that does not open with ``{`` (or
-the tag) is plain text. ``"arguments"`` is accepted for ``"parameters"``, as vLLM does.
+the tag) is plain text, and so is one that opens so but holds no call (JSON that answers, held to a
+``response_format``), sent when the reply ends. ``"arguments"`` is accepted for ``"parameters"``, as vLLM does.
 
 The grammar for ``tool_choice: auto`` lets the reply be text that does not open with ``{``, or calls held to
 the tools' names and parameters; ``required`` and a named tool allow only calls. The prompt fallback, for a
@@ -47,9 +48,12 @@ class Llama3JsonToolParser(ToolParser):
         self._num_calls = 0
         self._value: ValueEnd | None = None  # the open call's parameters, once its name was sent
         self._closed = True  # no call open: the next is awaited (after ";")
+        self._held = ""  # the reply's text since it opened as calls, until a call's name came: content if none does
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
+        if self._mode != "text" and not self._num_calls:
+            self._held += text
         delta = ParsedDelta()
         if self._mode is None:
             opening = self._buffer.lstrip()
@@ -71,7 +75,9 @@ class Llama3JsonToolParser(ToolParser):
             delta.content, self._buffer = self._buffer, ""
         elif self._closed and self._buffer.strip().removeprefix(";").strip():
             self._whole_call(self._buffer, delta)  # a call that did not open as {"name", "parameters"}
-        self._buffer = ""
+        if self._mode == "calls" and not self._num_calls:
+            delta.content = self._held  # JSON that is no call (an answer held to a response_format), as written
+        self._buffer = self._held = ""
         return delta
 
     def _step(self, delta: ParsedDelta) -> bool:

@@ -504,8 +504,10 @@ static inline __attribute__((always_inline)) void attend_tile_amx(buffers_t *b, 
             const uint16_t *k[2], *v[2];
             for (int64_t j = 0; j < 2; j++) {
                 const int64_t key = key_start + i + j;
-                const int64_t offset =
-                    (blocks[key / block_size] * block_size + key % block_size) * token_stride + h * head_dim;
+                /* Keys past the sequence have no block (the table row may end there): no offset for them. */
+                const int64_t offset = i + j < n ? (blocks[key / block_size] * block_size + key % block_size) *
+                                                           token_stride + h * head_dim
+                                                 : 0;
                 k[j] = i + j < n ? (const uint16_t *)p->key_cache + offset : NULL;
                 v[j] = i + j < n ? (const uint16_t *)p->value_cache + offset : NULL;
                 const int64_t next = key + KEY_TILE;
