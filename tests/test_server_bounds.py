@@ -203,7 +203,8 @@ def test_followers_share_one_json_text_per_buffered_record() -> None:
 
 @pytest.fixture(scope="module")
 def served_small_backlog(serve_fresh_engine) -> Served:
-    return serve_fresh_engine(**TEST_ENGINE_ARGS, max_stream_backlog_tokens=64)
+    # 100 logprobs a token (about 4 KB of JSON each) fill the sockets' buffers in about 120 steps, 20 took 500.
+    return serve_fresh_engine(**TEST_ENGINE_ARGS, max_stream_backlog_tokens=64, max_logprobs=100)
 
 
 def test_a_client_that_stops_reading_its_stream_has_its_request_aborted(served_small_backlog: Served) -> None:
@@ -212,8 +213,8 @@ def test_a_client_that_stops_reading_its_stream_has_its_request_aborted(served_s
     waiting outputs dropped."""
     served = served_small_backlog
     engine = served.engine
-    max_tokens, n = 2000, 8  # 16,000 tokens of about 1 KB each with 20 logprobs: more than the buffers hold
-    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": max_tokens, "n": n, "logprobs": 20,
+    max_tokens, n = 2000, 8  # 16,000 tokens of about 4 KB each with 100 logprobs: more than the buffers hold
+    body = json.dumps({"prompt": "Count to a thousand:", "max_tokens": max_tokens, "n": n, "logprobs": 100,
                        "ignore_eos": True, "stream": True}).encode()
     port = int(served.url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as sock:

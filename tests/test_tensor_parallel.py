@@ -1,8 +1,8 @@
 """Tensor parallelism end to end: one worker process per rank on gloo, against the single-process engine.
 
-* Tiny random models of each family (Llama, Qwen2 with a tied head, Qwen3, Mistral with one KV
-  head, so that both ranks hold a replica of it) at size 2: greedy and seeded outputs equal size 1's
-  token for token under batching, chunked prefill and preemption.
+* Tiny random models of each family (Llama, Qwen2 with a tied head, Qwen3, Qwen2-MoE, Phi-3, OLMoE with
+  one KV head, so that both ranks hold a replica of it) at size 2: greedy and seeded outputs equal size
+  1's token for token under batching, chunked prefill and preemption.
 * The embedded SmolLM2 (9 heads, 3 KV heads) at size 3, through the real server and the openai
   SDK: the same completions as the size-1 server, streamed and batched; then a killed rank ends
   the request in flight with an error, and the server reports itself unhealthy instead of hanging.
@@ -39,12 +39,11 @@ from tests.conftest import TEST_ENGINE_ARGS, Served, cli_server
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-#: Family -> (tied head, config overrides). Mistral with one KV head: every rank holds a replica of it. Phi-3's
-#: checkpoint stores q/k/v and gate/up fused: each rank takes its heads and rows of the fused tensors. OLMoE's
-#: norm of the whole key projection sums over the ranks, its one KV head (held by both) counted once.
-FAMILIES = {"llama": (False, {}), "qwen2": (True, {}), "qwen3": (False, {}),
-            "mistral": (False, {"num_key_value_heads": 1}), "qwen2_moe": (False, {}), "phi3": (False, {}),
-            "olmoe": (False, {"num_key_value_heads": 1})}
+#: Family -> (tied head, config overrides). Phi-3's checkpoint stores q/k/v and gate/up fused: each rank takes its
+#: heads and rows of the fused tensors. OLMoE with one KV head: every rank holds a replica of it, and the norm of
+#: the whole key projection, summed over the ranks, counts it once.
+FAMILIES = {"llama": (False, {}), "qwen2": (True, {}), "qwen3": (False, {}), "qwen2_moe": (False, {}),
+            "phi3": (False, {}), "olmoe": (False, {"num_key_value_heads": 1})}
 _rng = np.random.default_rng(0)
 PROMPTS = [_rng.integers(3, 256, size=n).tolist() for n in (40, 70, 23, 55, 9, 61)]
 #: Greedy, seeded and unseeded random: every rank must sample the same tokens from the same RNG state.
