@@ -186,7 +186,8 @@ class InputProcessor:
 
     async def render_chat_async(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                                 tools: Sequence[Mapping[str, Any]] | None = None,
-                                template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                                template_kwargs: Mapping[str, Any] | None = None,
+                                continue_final_message: bool = False) -> list[int]:
         """``render_chat``, after ``check_length`` on the messages' text; a large conversation is rendered
         off the event loop.
 
@@ -195,7 +196,8 @@ class InputProcessor:
         """
         num_chars = sum(len(str(message.get("content") or "")) for message in messages)
         self.check_length(num_chars, "messages")
-        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs)
+        return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs,
+                                continue_final_message)
 
     async def process_async(self, prompt: PromptType, params: SamplingParams,
                             default_max_tokens: int | None = None) -> ProcessedRequest:
@@ -235,10 +237,11 @@ class InputProcessor:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         """The prompt token ids of chat messages (and ``tools``, for a template that takes them; and the
-        template's own variables, ``chat_template_kwargs``), exactly as the tokenizer's ``apply_chat_template``
-        makes them.
+        template's own variables, ``chat_template_kwargs``; ending inside the last message with
+        ``continue_final_message``), exactly as the tokenizer's ``apply_chat_template`` makes them.
 
         Raises:
             InvalidRequestError: (``messages``) no messages, or the template refuses them (or there is none);
@@ -250,7 +253,8 @@ class InputProcessor:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
                                       "fields do", "chat_template_kwargs")
         try:
-            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+            return chat_prompt_token_ids(self.tokenizer, messages, add_generation_prompt, tools, template_kwargs,
+                                         continue_final_message)
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
 

@@ -26,15 +26,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedserve import __version__
 from pagedserve.engine.async_llm import AsyncLLM, LoadedClient
 from pagedserve.engine.config import EngineArgs, parse_size, setting
-from pagedserve.server.chat import create_chat_completion
+from pagedserve.server.chat import create_chat_completion, tokenize_chat
 from pagedserve.server.completions import create_completion
 from pagedserve.server.dashboard import router as dashboard_router
 from pagedserve.server.dashboard import static_files as dashboard_static_files
 from pagedserve.server.errors import (
+    AnthropicErrorResponse,
     BodySizeLimitMiddleware,
     ErrorResponse,
     OpenAIError,
     add_exception_handlers,
+    anthropic_route,
     bad_request,
     check_model,
     check_token_ids,
@@ -42,6 +44,8 @@ from pagedserve.server.errors import (
     model_not_found,
 )
 from pagedserve.server.logging_config import LOG_FORMATS
+from pagedserve.server.messages import count_message_tokens, create_message
+from pagedserve.server.messages_protocol import Message, MessagesPrompt, MessagesRequest, MessageTokensCount
 from pagedserve.server.metrics_route import engine_stats
 from pagedserve.server.metrics_route import router as metrics_router
 from pagedserve.server.protocol import (
@@ -60,8 +64,7 @@ from pagedserve.server.protocol import (
 from pagedserve.server.responses import ResponseStore, create_response, response_not_found, retrieve_response
 from pagedserve.server.responses_protocol import DeletedResponse, ResponsesRequest
 from pagedserve.server.responses_protocol import Response as ResponsesResponse
-from pagedserve.server.tool_calling import TOOL_PARSER_CHOICES, plan_tools, tool_parser_class
-from pagedserve.server.tool_calling.prompt import render_inputs
+from pagedserve.server.tool_calling import TOOL_PARSER_CHOICES
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +114,9 @@ class ServerArgs:
 
 
 class APIKeyMiddleware:
-    """Answer 401 on the API routes unless the request carries ``Authorization: Bearer <key>``
-    (the scheme in any case, as RFC 9110 has it), and 400 when it carries more than one
-    ``Authorization`` header.
+    """Answer 401 on the API routes unless the request carries the key, as ``Authorization: Bearer <key>``
+    (the scheme in any case, as RFC 9110 has it) or as Anthropic's clients send it, ``x-api-key: <key>``;
+    400 when it carries more than one of either header.
 
     ``/health``, ``/version``, ``/metrics`` and the docs stay open for probes, scrapers and readers.
     CORS preflights carry no credentials: the CORS middleware, outside this one, answers them.
@@ -127,40 +130,47 @@ class APIKeyMiddleware:
     def _protected(path: str) -> bool:
         return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
-    def _authorized(self, credentials: bytes) -> bool:
-        """Whether ``credentials`` (the header's value) are ``Bearer`` and the key, one or more spaces
-        between them."""
-        scheme, _, key = credentials.partition(b" ")
+    def _authorized(self, bearer: bytes | None, api_key: bytes | None) -> bool:
+        """Whether ``bearer`` (the Authorization header's value: ``Bearer``, one or more spaces, the key) or
+        ``api_key`` (x-api-key's) holds the key."""
         # The key in constant time, so that response timing does not reveal how much of a guess was right.
+        if api_key is not None and hmac.compare_digest(api_key, self.expected):
+            return True
+        scheme, _, key = (bearer or b"").partition(b" ")
         return hmac.compare_digest(key.lstrip(b" "), self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._protected(scope["path"]):
-            given = [value for name, value in scope["headers"] if name == b"authorization"]
-            if len(given) > 1:
-                # Proxies and frameworks disagree on which one counts: refuse rather than guess.
-                error = OpenAIError(HTTPStatus.BAD_REQUEST, "Send one Authorization header, not "
-                                    f"{len(given)}.", code="duplicate_authorization")
-                await error.response()(scope, receive, send)
-                return
-            if not self._authorized(given[0] if given else b""):
+            path = scope["path"]
+            given = {name: [value for key, value in scope["headers"] if key == name]
+                     for name in (b"authorization", b"x-api-key")}
+            for name, values in given.items():
+                if len(values) > 1:
+                    # Proxies and frameworks disagree on which one counts: refuse rather than guess.
+                    error = OpenAIError(HTTPStatus.BAD_REQUEST, f"Send one {name.decode()} header, not "
+                                        f"{len(values)}.", code="duplicate_authorization")
+                    await error.response(path=path)(scope, receive, send)
+                    return
+            bearer, api_key = (values[0] if values else None for values in given.values())
+            if not self._authorized(bearer, api_key):
                 error = OpenAIError(HTTPStatus.UNAUTHORIZED, "Invalid or missing API key: send "
-                                    "'Authorization: Bearer <key>'.", code="invalid_api_key")
-                await error.response()(scope, receive, send)
+                                    "'Authorization: Bearer <key>' or 'x-api-key: <key>'.", code="invalid_api_key")
+                await error.response(path=path)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for the error statuses a route answers, each with OpenAI's error body."""
-    return {status: {"model": ErrorResponse, "description": HTTPStatus(status).phrase} for status in statuses}
+def _errors(*statuses: int, body: type = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error statuses a route answers, each with OpenAI's error body (or ``body``)."""
+    return {status: {"model": body, "description": HTTPStatus(status).phrase} for status in statuses}
 
 
 #: Every body a POST route reads can be refused as invalid (400) or too large (413).
 _BODY_ERRORS = (HTTPStatus.BAD_REQUEST, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
 #: What a generation route answers besides its own: an unknown model, a full queue, an engine down.
-_GENERATION_ERRORS = _errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS,
-                             HTTPStatus.SERVICE_UNAVAILABLE)
+_GENERATION_STATUSES = (*_BODY_ERRORS, HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS,
+                        HTTPStatus.SERVICE_UNAVAILABLE)
+_GENERATION_ERRORS = _errors(*_GENERATION_STATUSES)
 
 
 def _generation_responses(response: type, description: str) -> dict[int | str, dict[str, Any]]:
@@ -252,6 +262,31 @@ async def delete_response(response_id: str, request: Request) -> DeletedResponse
     return DeletedResponse(id=response_id)
 
 
+#: One server-sent event of a streamed message: its type, and its JSON with the same ``type``.
+_MESSAGES_STREAM = {"schema": {
+    "type": "object", "required": ["event", "data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json"}},
+    "description": "Server-sent events, each 'event: <type>' and 'data: <event JSON>': message_start, each content "
+                   "block's content_block_start, content_block_delta and content_block_stop, then message_delta and "
+                   "message_stop; or an error event"}}
+
+
+@router.post("/v1/messages", response_model=None, responses={
+    200: {"model": Message, "description": "The message, or with stream its events",
+          "content": {"text/event-stream": _MESSAGES_STREAM}},
+    **_errors(*_GENERATION_STATUSES, body=AnthropicErrorResponse)})
+async def messages(body: MessagesRequest, request: Request, engine: Engine) -> Any:
+    """Anthropic's Messages API (``pagedserve.server.messages``); errors in Anthropic's shape."""
+    return await _cancel_on_disconnect(request, create_message(body, engine, request.app.state.tool_call_parser))
+
+
+@router.post("/v1/messages/count_tokens", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND,
+                                                           body=AnthropicErrorResponse))
+async def count_tokens(body: MessagesPrompt, request: Request, engine: Engine) -> MessageTokensCount:
+    """The tokens of a Messages API request's prompt (its ``usage.input_tokens``)."""
+    return await count_message_tokens(body, engine, request.app.state.tool_call_parser)
+
+
 @router.get("/v1/models")
 async def models(engine: Engine) -> ModelList:
     return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
@@ -291,16 +326,11 @@ async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> T
     check_fields(body)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.")
-    with engine_errors():
-        # Large inputs are refused by length or tokenized off the event loop, as in the generation routes.
-        if body.messages is not None:
-            template = str(engine.tokenizer.chat_template or "")
-            tool_format = tool_parser_class(request.app.state.tool_call_parser, template)
-            plan = await plan_tools(body, None, None, engine.processor.grammars)
-            messages, tools = render_inputs(body.messages, plan, tool_format, engine.tokenizer)
-            tokens = await engine.processor.render_chat_async(messages, body.add_generation_prompt, tools,
-                                                              body.chat_template_kwargs)
-        else:
+    # Large inputs are refused by length or tokenized off the event loop, as in the generation routes.
+    if body.messages is not None:
+        tokens = await tokenize_chat(body, engine, request.app.state.tool_call_parser)
+    else:
+        with engine_errors():
             tokens = await engine.processor.tokenize_async(body.prompt)
     return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=engine.max_model_len)
 
@@ -325,9 +355,10 @@ def _install_openapi(app: FastAPI, api_key_set: bool) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            unauthorized = {"description": "Unauthorized", "content": {"application/json": {
-                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
             for path, operations in schema["paths"].items():
+                body = "AnthropicErrorResponse" if anthropic_route(path) else "ErrorResponse"
+                unauthorized = {"description": "Unauthorized", "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{body}"}}}}
                 for operation in operations.values():
                     operation["responses"].pop("422", None)
                     if api_key_set and APIKeyMiddleware._protected(path):

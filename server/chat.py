@@ -21,6 +21,7 @@ from starlette.responses import Response
 from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine.async_llm import AsyncLLM
+from pagedserve.engine.errors import InvalidRequestError
 from pagedserve.engine.input_processor import run_off_loop
 from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -40,6 +41,7 @@ from pagedserve.server.protocol import (
     ChatLogProbs,
     ChatStreamChoice,
     DeltaMessage,
+    TokenizeRequest,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -50,7 +52,7 @@ from pagedserve.server.protocol import (
     sse_response,
     unix_time,
 )
-from pagedserve.server.tool_calling import ToolParser, plan_tools, tool_parser_class
+from pagedserve.server.tool_calling import ToolParser, ToolPlan, plan_tools, tool_parser_class
 from pagedserve.server.tool_calling.output import StreamedReply, reply_message
 from pagedserve.server.tool_calling.output import finish_reason as tool_finish_reason
 from pagedserve.server.tool_calling.prompt import render_inputs
@@ -131,10 +133,7 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
     with engine_errors(client_names):
         params = request.to_sampling_params(requested, logprobs, request.prompt_logprobs,
                                             engine.default_sampling_params, structured_outputs)
-        # Checked by length, then rendered off the event loop when large: other clients never wait on it.
-        messages, tools = render_inputs(request.messages, plan, tool_format, engine.tokenizer)
-        token_ids = await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools,
-                                                             request.chat_template_kwargs)
+        token_ids = await _prompt_token_ids(request, plan, tool_format, engine)
         await engine.processor.check_params_async(params)  # compiled off the loop; process() finds it cached
         prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -158,6 +157,36 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
     if request.prompt_logprobs is not None:  # prompt length x (k + 1) entries: converted off the event loop
         response.prompt_logprobs = await run_off_loop(prompt_logprobs, engine.tokenizer, final.prompt_logprobs or [])
     return response
+
+
+async def tokenize_chat(request: ChatCompletionRequest | TokenizeRequest, engine: AsyncLLM,
+                        tool_call_parser: str = "auto") -> list[int]:
+    """The prompt token ids of a chat request's messages and tools, as ``run_chat`` renders them.
+
+    Raises:
+        OpenAIError: 400 for tools or messages that cannot be rendered, or a conversation too long for the model.
+    """
+    tool_format = tool_parser_class(tool_call_parser, str(engine.tokenizer.chat_template or ""))
+    plan = await plan_tools(request, None, None, engine.processor.grammars)
+    with engine_errors():
+        return await _prompt_token_ids(request, plan, tool_format, engine)
+
+
+async def _prompt_token_ids(request: ChatCompletionRequest | TokenizeRequest, plan: ToolPlan | None,
+                            tool_format: type[ToolParser], engine: AsyncLLM) -> list[int]:
+    """The messages (and, as ``plan`` has it, the tools) rendered by the model's chat template: checked by length,
+    then rendered off the event loop when large, so that other clients never wait on it.
+
+    Raises:
+        InvalidRequestError: as ``InputProcessor.render_chat_async``; ``continue_final_message`` with
+            ``add_generation_prompt``.
+    """
+    if request.continue_final_message and request.add_generation_prompt:
+        raise InvalidRequestError("continue_final_message continues the last message, so add_generation_prompt "
+                                  "(which starts a new one) must be false", "continue_final_message")
+    messages, tools = render_inputs(request.messages, plan, tool_format, engine.tokenizer)
+    return await engine.processor.render_chat_async(messages, request.add_generation_prompt, tools,
+                                                    request.chat_template_kwargs, request.continue_final_message)
 
 
 class _ChatStream:
@@ -198,7 +227,7 @@ class _ChatStream:
             message.content = None  # a reply that is all reasoning has no content (null), as in vLLM
         message.reasoning_content = message.reasoning = reasoning
         return ChatChoice(index=completion.index, message=message, logprobs=self.logprobs(completion),
-                          finish_reason=reason)
+                          finish_reason=reason, stop_reason=completion.stop_reason)
 
     def _split(self, completion: CompletionOutput) -> tuple[str, str]:
         """A choice's new text as ``(reasoning, answer)``; all answer without a reasoning format."""
@@ -255,7 +284,8 @@ class _ChatStream:
                             delta = DeltaMessage(content=content, tool_calls=tool_calls,
                                                  reasoning_content=reasoning or None, reasoning=reasoning or None)
                             yield self._chunk(ChatStreamChoice(index=completion.index, delta=delta,
-                                                               logprobs=logprobs, finish_reason=reason),
+                                                               logprobs=logprobs, finish_reason=reason,
+                                                               stop_reason=completion.stop_reason),
                                               choice_tokens[completion.index])
         if self.request.include_usage:
             usage = UsageInfo.of(self.num_prompt_tokens, num_output_tokens)

@@ -147,7 +147,8 @@ class _ChoiceBuilder:
             logprobs = _joined(part.echo_logprobs, logprobs)
         choice = CompletionChoice(index=index, text=part.echo_text + completion.text if first else completion.text,
                                   logprobs=None if self.request.logprobs is None else logprobs,
-                                  finish_reason=openai_finish_reason(completion.finish_reason))
+                                  finish_reason=openai_finish_reason(completion.finish_reason),
+                                  stop_reason=completion.stop_reason)
         # Assigned, not validated: the one list every choice of the prompt shares (never streamed).
         choice.prompt_logprobs = part.prompt_logprobs
         return choice

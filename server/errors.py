@@ -1,6 +1,7 @@
 """Every way the server refuses a request, as OpenAI's error JSON.
 
-``{"error": {"message", "type", "param", "code"}}`` with the HTTP status. Bad
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status; on the routes of Anthropic's
+Messages API (``anthropic_route``) Anthropic's ``{"type": "error", "error": {"type", "message"}}``. Bad
 input is a 4xx naming the offending field, never a 500; engine failures are
 429 (queue full) or 503 (engine down).
 """
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +29,10 @@ from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, Reque
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+#: Anthropic's error type by status (https://docs.anthropic.com/en/api/errors); another 4xx is an
+#: ``invalid_request_error``, another 5xx an ``api_error``.
+_ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                          413: "request_too_large", 429: "rate_limit_error"}
 _UNION_TAGS = frozenset({"str", "int", "float", "bool"})
 #: Most characters of a client's value (a model name, an id, a field name) quoted in an error or a log line.
 MAX_ECHOED_CHARS = 256
@@ -42,6 +48,11 @@ def shorten(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+def anthropic_route(path: str) -> bool:
+    """Whether ``path`` is a route of Anthropic's Messages API, whose errors take Anthropic's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -55,6 +66,18 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error body, for the OpenAPI spec (``OpenAIError.anthropic_body`` writes it)."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
 class _ASCIIJSONResponse(JSONResponse):
     """JSON with non-ASCII characters escaped: text quoting the client's input then always encodes,
     even a lone surrogate (``JSONResponse`` writes UTF-8, which has none: a 500)."""
@@ -64,7 +87,7 @@ class _ASCIIJSONResponse(JSONResponse):
 
 
 class OpenAIError(Exception):
-    """A request refused with an HTTP status and OpenAI's error body.
+    """A request refused with an HTTP status and OpenAI's error body (Anthropic's on its routes).
 
     Args:
         status_code: the HTTP status (4xx, 5xx).
@@ -88,11 +111,22 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": error_type, "param": self.param,
                           "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in Anthropic's shape: a type for the status, and the message, which names the field (Anthropic's
+        error has no ``param``)."""
+        error_type = _ANTHROPIC_ERROR_TYPES.get(
+            self.status_code, "api_error" if self.status_code >= 500 else "invalid_request_error")
+        named = self.param is None or f"'{self.param}'" in self.message or self.message.startswith(self.param)
+        message = self.message if named else f"{self.param}: {self.message}"
+        return {"type": "error", "error": {"type": error_type, "message": message}}
+
     def to_json(self) -> str:
         return json.dumps(self.body())
 
-    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        return _ASCIIJSONResponse(self.body(), status_code=self.status_code, headers=headers)
+    def response(self, headers: Mapping[str, str] | None = None, path: str = "") -> JSONResponse:
+        """The error as a JSON response, in Anthropic's shape when ``path`` is one of its routes."""
+        body = self.anthropic_body() if anthropic_route(path) else self.body()
+        return _ASCIIJSONResponse(body, status_code=self.status_code, headers=headers)
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -117,6 +151,24 @@ def check_model(requested: str | None, served: str) -> None:
     """
     if requested and requested != served:
         raise model_not_found(requested, served)
+
+
+def rename_field(error: OpenAIError, names: Iterable[tuple[re.Pattern[str], str]]) -> OpenAIError:
+    """``error`` naming the field as the client sent it to an API served through chat (the Responses
+    API, Anthropic's Messages API), in ``param`` and in the message where it leads it or is quoted.
+
+    Args:
+        names: (pattern, replacement) pairs for ``re.sub`` on chat's ``param``; the first that matches
+            renames it.
+    """
+    for pattern, name in names if error.param else ():
+        param = pattern.sub(name, error.param, count=1)
+        if param != error.param:
+            message = error.message.replace(f"'{error.param}'", f"'{param}'")
+            if message.startswith(f"{error.param} "):
+                message = param + message[len(error.param):]
+            return OpenAIError(error.status_code, message, param, error.code)
+    return error
 
 
 def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> None:
@@ -175,13 +227,14 @@ def _param_path(loc: Iterable[int | str]) -> str:
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     error = exc.errors()[0]
     message = str(error["msg"]).removeprefix("Value error, ")
+    path = request.url.path
     if error["type"] == "json_invalid":
         return bad_request(f"The request body is not valid JSON: {error.get('ctx', {}).get('error', '')}"
-                           ).response()
+                           ).response(path=path)
     param = _param_path(error["loc"][1:])  # [0] is "body"
     if not param:
-        return bad_request(f"The request body is invalid: {message}").response()
-    return bad_request(f"Invalid value for '{param}': {message}", param).response()
+        return bad_request(f"The request body is invalid: {message}").response(path=path)
+    return bad_request(f"Invalid value for '{param}': {message}", param).response(path=path)
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -189,22 +242,24 @@ def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) and exc.detail != status.phrase else (
         f"{status.phrase}: {request.method} {request.url.path}")
     code = status.phrase.lower().replace(" ", "_")
-    return OpenAIError(exc.status_code, message, code=code).response(exc.headers)
+    return OpenAIError(exc.status_code, message, code=code).response(exc.headers, request.url.path)
 
 
 def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
-    return exc.response()
+    return exc.response(path=request.url.path)
 
 
 def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # exc_info=exc, not logger.exception: Starlette runs this sync handler in a thread, outside the
     # ``except`` block, where there is no current exception to log (the log said "NoneType: None").
     logger.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {exc!r}").response()
+    return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal server error: {exc!r}").response(
+        path=request.url.path)
 
 
 def add_exception_handlers(app: FastAPI) -> None:
-    """Answer every error, including FastAPI's own 404/405/422, in OpenAI's shape."""
+    """Answer every error, including FastAPI's own 404/405/422, in OpenAI's shape (Anthropic's on its
+    routes)."""
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(OpenAIError, _openai_error)
@@ -264,4 +319,4 @@ class BodySizeLimitMiddleware:
         error = OpenAIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
                             f"The request body exceeds the server's limit of {self.max_body_bytes} bytes.",
                             code="request_too_large")
-        await error.response()(scope, receive, send)
+        await error.response(path=scope["path"])(scope, receive, send)

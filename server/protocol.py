@@ -135,7 +135,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[str, tuple[Any, ...]]] = {
     "bad_words": ("banned words", ([],)),
     "logits_processors": ("custom logits processors", ()),
     "truncate_prompt_tokens": ("prompt truncation", ()),
-    "continue_final_message": ("continuing the final message", (False,)),
     "chat_template": ("a chat template of the request's own", ()),
     "documents": ("documents for the chat template", ()),
     "spaces_between_special_tokens": ("no spaces between special tokens", (True,)),
@@ -504,6 +503,8 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: the reply starts with the last message's content when that message has the reply's role.
     echo: StrictBool = False
     add_generation_prompt: StrictBool = True
+    # vLLM's: the reply continues the last message (a prefill), whose end-of-turn tokens the prompt leaves out.
+    continue_final_message: StrictBool = False
     # vLLM's: variables of the chat template (Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -516,6 +517,7 @@ class TokenizeRequest(RequestBody):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     tools: list[ChatCompletionTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool = True
@@ -562,10 +564,12 @@ class CompletionLogProbs(OpenAIBaseModel):
 
 
 class Choice(OpenAIBaseModel):
-    """What every choice has, whole or streamed."""
+    """What every choice has, whole or streamed; vLLM's ``stop_reason`` is the stop string or stop token id
+    that ended the choice (null for end of sequence, length, or a choice not finished yet)."""
 
     index: int
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ResponseHead(OpenAIBaseModel):

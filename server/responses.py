@@ -38,7 +38,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server.chat import run_chat
-from pagedserve.server.errors import OpenAIError
+from pagedserve.server.errors import OpenAIError, rename_field
 from pagedserve.server.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -244,19 +244,6 @@ _FIELD_NAMES = (
 )
 
 
-def _responses_error(error: OpenAIError) -> OpenAIError:
-    """``error`` naming the field as the client sent it to ``/v1/responses`` (in ``param``, and in the
-    message where it leads it or is quoted)."""
-    for pattern, name in _FIELD_NAMES if error.param else ():
-        param = pattern.sub(name, error.param, count=1)
-        if param != error.param:
-            message = error.message.replace(f"'{error.param}'", f"'{param}'")
-            if message.startswith(f"{error.param} "):
-                message = param + message[len(error.param):]
-            return OpenAIError(error.status_code, message, param, error.code)
-    return error
-
-
 # --------------------------------------------------------------------------- chat -> response
 
 
@@ -345,7 +332,7 @@ async def create_response(request: ResponsesRequest, engine: AsyncLLM, store: Re
     try:
         result = await run_chat(chat, engine, tool_call_parser)
     except OpenAIError as error:
-        raise _responses_error(error) from error
+        raise rename_field(error, _FIELD_NAMES) from error
 
     def keep(finished: Response) -> None:
         if request.store and finished.status != "failed":

@@ -42,6 +42,8 @@ def _bounded(case: Any) -> Any:
         case.body["n"] = 1
     if isinstance(case.body, dict) and case.path == "/v1/responses":
         case.body["max_output_tokens"] = 2
+    if isinstance(case.body, dict) and case.path == "/v1/messages":
+        case.body["max_tokens"] = 2
     return case
 
 
@@ -92,6 +94,7 @@ def _schema(spec: dict[str, Any], name: str) -> dict[str, Any]:
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
      "ChatCompletionResponse"),
     ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "prompt_logprobs": 1}, "ChatCompletionResponse"),
+    ("/v1/messages", {"model": "SmolLM2-135M-Instruct", "messages": USER, "max_tokens": 2}, "Message"),
 ])
 def test_real_responses_validate_against_the_spec(client: httpx.Client, path: str, body: dict[str, Any],
                                                   name: str) -> None:
@@ -100,7 +103,8 @@ def test_real_responses_validate_against_the_spec(client: httpx.Client, path: st
     assert response.status_code == 200, response.text
     jsonschema.validate(response.json(), _schema(spec, name))
     error = client.post(path, json={**body, "temperature": -1})
-    jsonschema.validate(error.json(), _schema(spec, "ErrorResponse"))
+    jsonschema.validate(error.json(), _schema(spec, "AnthropicErrorResponse" if path == "/v1/messages" else
+                                               "ErrorResponse"))
 
 
 def test_streamed_responses_are_server_sent_events(client: httpx.Client) -> None:

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 README_URL = "http://127.0.0.1:8000"
 SKIP_MARKER = "<!-- readme-test: skip -->"
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 #: Prompt (a substring of it) -> regex its greedy answer must match, as SmolLM2-135M-Instruct answers.
 GREEDY_ANSWERS = {"capital of France": r"\bParis\b"}
 #: An offline example loads a second engine in its subprocess: allow for the model load.
@@ -162,6 +162,8 @@ def _check_curl(example: Example, served: Served) -> None:
         text = "".join((choice.get("delta", choice).get(key) or "") for c in chunks for choice in c["choices"])
         if body.get("stream_options", {}).get("include_usage"):
             assert chunks[-1]["usage"]["completion_tokens"] > 0, chunks[-1]
+    elif path == "/v1/messages":  # Anthropic's shape: content blocks
+        text = "".join(block.get("text", "") for block in json.loads(stdout)["content"])
     else:
         response = json.loads(stdout)
         choice = response["choices"][0]
@@ -173,8 +175,10 @@ def _check_python(example: Example, served: Served) -> None:
     for call in ast.walk(ast.parse(example.code)):
         if isinstance(call, ast.Call):
             name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
-            if name in ("create", "SamplingParams"):
-                assert any(k.arg == "temperature" for k in call.keywords), (
+            if name in ("create", "stream", "SamplingParams"):
+                # The anthropic SDK (2.x) has no sampling arguments: it sends them in extra_body.
+                assert any(k.arg == "temperature" or (k.arg == "extra_body" and "temperature" in ast.unparse(k.value))
+                           for k in call.keywords), (
                     f"line {call.lineno} of the block: set temperature, the embedded model has no generation config")
     stdout = _run([sys.executable, "-c", _with_test_server(example.code, served)]).stdout
     # The script's prompts that have a known greedy answer must show it; the whole output must read as text.
