@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.model.windows import uniform_sliding_window
+from pagedserve.engine.pooling_params import PoolerConfig
 from pagedserve.engine.reasoning import REASONING_FORMATS
 
 _SIZE_UNITS = {
@@ -134,6 +135,16 @@ class EngineArgs:
         "<think>...</think> first. Chat replies then carry it as reasoning_content (and reasoning), and structured "
         "output and tool-call grammars apply after it; empty = replies are all content",
         choices=(None, *REASONING_FORMATS))
+    runner: str = setting(
+        "generate", "What the model is served for (vLLM's --runner): generate = text (completions, chat, responses, "
+        "messages); pooling = one vector per input (/v1/embeddings, /pooling), from its hidden states",
+        choices=("generate", "pooling"))
+    convert: str = setting(
+        "auto", "How a decoder serves --runner pooling (vLLM's --convert): embed (auto, with pooling) = its last "
+        "layer's hidden states, after the final norm, pooled by --pooler-config", choices=("auto", "embed"))
+    pooler_config: dict | str | None = setting(
+        None, "With --runner pooling, a JSON object (a mapping in YAML) with vLLM's keys: pooling_type (LAST, the "
+        "default; MEAN; CLS = the first token) and normalize (true by default: unit-length vectors)")
     async_scheduling: bool = setting(
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
@@ -178,6 +189,13 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from err
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
+        if self.runner == "pooling":
+            PoolerConfig.parse(self.pooler_config)  # validated here, resolved by EngineConfig
+            for name in ("speculative_config", "async_scheduling", "reasoning_parser"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is for generating; --runner pooling runs each prompt once")
+        elif self.pooler_config is not None or self.convert != "auto":
+            raise ValueError("pooler_config and convert are for --runner pooling")
 
 
 #: ``speculative_config`` methods: ngram = prompt lookup (``pagedserve.engine.core.ngram_proposer``).
@@ -337,16 +355,22 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
+    pooler_config: PoolerConfig | None = None  # ``--runner pooling``'s; None = the generate runner
 
     @classmethod
     def for_model(cls, args: EngineArgs, model_config: ModelConfig) -> EngineConfig:
         """The configuration of ``args`` for the model they name, resolved into ``model_config``
         (``pagedserve.engine.engine_factory.resolve_engine_config`` does both)."""
+        pooler_config = PoolerConfig.parse(args.pooler_config) if args.runner == "pooling" else None
+        # A prompt served from the prefix cache is not run again: MEAN and CLS would miss its cached positions.
+        # (LAST always runs the prompt's last token.)
+        prefix_caching = args.enable_prefix_caching and (pooler_config is None or pooler_config.pooling_type == "LAST")
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold,
                                                     args.async_scheduling),
-                   cache_config=CacheConfig(0, args.block_size, args.enable_prefix_caching,
+                   cache_config=CacheConfig(0, args.block_size, prefix_caching,
                                             uniform_sliding_window(model_config.hf_config)),
                    speculative_config=None if args.speculative_config is None
-                   else SpeculativeConfig.from_dict(args.speculative_config))
+                   else SpeculativeConfig.from_dict(args.speculative_config),
+                   pooler_config=pooler_config)

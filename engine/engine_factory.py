@@ -113,4 +113,5 @@ def _tokenizer(config: EngineConfig) -> PreTrainedTokenizerBase:
 
 
 def _processor(config: EngineConfig, tokenizer: PreTrainedTokenizerBase, grammars: GrammarCompiler) -> InputProcessor:
-    return InputProcessor(config.model_config, tokenizer, config.cache_config, config.args.max_logprobs, grammars)
+    return InputProcessor(config.model_config, tokenizer, config.cache_config, config.args.max_logprobs, grammars,
+                          config.pooler_config)

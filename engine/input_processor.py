@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.engine.chat_template import RESERVED_TEMPLATE_KWARGS, chat_prompt_token_ids
 from pagedserve.engine.config import CacheConfig, ModelConfig
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.pooling_params import PoolerConfig, PoolingParams
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output import GrammarCompiler
@@ -100,12 +101,14 @@ class ProcessedRequest:
         prompt_token_ids: at least one token, every id in the vocabulary.
         sampling_params: with ``max_tokens`` resolved (never None).
         eos_token_id: the model's end-of-sequence token (None: no EOS stop).
+        pooling_params: set for a pooling request (``process_pooling``), whose ``sampling_params`` are never read.
     """
 
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: int | None
+    pooling_params: PoolingParams | None = None
 
     def engine_core_requests(self, children: Sequence[tuple[str, SamplingParams]],
                              arrival_time: float) -> list[EngineCoreRequest]:
@@ -115,8 +118,8 @@ class ProcessedRequest:
             children: ``(request id, params with n == 1)`` per child.
             arrival_time: wall-clock seconds (``time.time()``) the request arrived.
         """
-        return [EngineCoreRequest(request_id, self.prompt_token_ids, params, self.eos_token_id, arrival_time)
-                for request_id, params in children]
+        return [EngineCoreRequest(request_id, self.prompt_token_ids, params, self.eos_token_id, arrival_time,
+                                  self.pooling_params) for request_id, params in children]
 
 
 class InputProcessor:
@@ -132,16 +135,20 @@ class InputProcessor:
         max_logprobs: the most logprobs a request may ask for, per token.
         grammars: compiles structured-output constraints (shared with the engine core's manager);
             None = constrained requests are refused.
+        pooler_config: the pooling runner's (``--runner pooling``), which takes pooling requests only; None = the
+            generate runner, which takes generation requests only.
 
     Raises:
         ValueError: a ``cache_config`` whose ``num_blocks`` the engine core has not filled in.
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: PreTrainedTokenizerBase, cache_config: CacheConfig,
-                 max_logprobs: int, grammars: GrammarCompiler | None = None) -> None:
+                 max_logprobs: int, grammars: GrammarCompiler | None = None,
+                 pooler_config: PoolerConfig | None = None) -> None:
         if cache_config.num_blocks < 2:
             raise ValueError("cache_config.num_blocks is not set: build the processor from an engine core's config")
         self.model_config = model_config
+        self.pooler_config = pooler_config
         self.tokenizer = tokenizer
         self.max_logprobs = max_logprobs
         self.grammars = grammars
@@ -278,6 +285,9 @@ class InputProcessor:
                 when ``max_tokens`` was left open); a structured-output constraint that does not compile
                 (``structured_outputs``), ``n`` above ``MAX_N`` (see ``check_params``).
         """
+        if self.pooler_config is not None:
+            raise InvalidRequestError("this server pools (--runner pooling): it answers /v1/embeddings and /pooling, "
+                                      "and generates no text", None)
         self.check_params(params)
         token_ids = self.tokenize(prompt)
         requested_max_tokens = params.max_tokens
@@ -297,6 +307,41 @@ class InputProcessor:
             raise InvalidRequestError(f"a request of up to {max_len} tokens needs more KV cache than the engine "
                                       f"has ({self.kv_cache_tokens} tokens)", param)
         return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id)
+
+    async def process_pooling_async(self, prompt: PromptType, params: PoolingParams) -> ProcessedRequest:
+        """``process_pooling``, after ``check_length``; a large prompt is tokenized off the event loop."""
+        num_chars = len(prompt) if isinstance(prompt, str) else 0
+        if num_chars:
+            self.check_length(num_chars, "input")
+        return await _run_sized(num_chars, self.process_pooling, prompt, params)
+
+    def process_pooling(self, prompt: PromptType, params: PoolingParams) -> ProcessedRequest:
+        """Tokenize ``prompt`` and check a pooling request: its prompt runs once, and no token follows it.
+
+        Raises:
+            InvalidRequestError: naming the field: a generate runner (no field), ``dimensions`` the model does not
+                allow (``PoolingParams.check``), an empty prompt, one longer than ``max_model_len`` or the KV cache,
+                token ids outside the vocabulary (``input``).
+        """
+        if self.pooler_config is None:
+            raise InvalidRequestError("this server generates (--runner generate): start it with --runner pooling to "
+                                      "serve embeddings", None)
+        hf_config = self.model_config.hf_config
+        allowed = getattr(hf_config, "matryoshka_dimensions", None)
+        params.check(hf_config.hidden_size, allowed, bool(allowed or getattr(hf_config, "is_matryoshka", False)))
+        token_ids = self.tokenize(prompt)
+        max_model_len = self.model_config.max_model_len
+        if not token_ids:
+            raise InvalidRequestError("The input is empty; it must contain at least one token.", "input")
+        if len(token_ids) > min(max_model_len, self.kv_cache_tokens):
+            raise InvalidRequestError(f"This model's maximum context length is {max_model_len} tokens (the KV cache "
+                                      f"holds {self.kv_cache_tokens}). However, your input has {len(token_ids)} "
+                                      "tokens. Please reduce the length of the input.", "input")
+        vocab_size = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+            raise InvalidRequestError(f"input token ids must be in [0, {vocab_size})", "input")
+        return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, _POOLING_SAMPLING_PARAMS,
+                                None, params)
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None, default: int | None) -> int:
         """The output budget: ``requested``, or all the context the prompt leaves (at most ``default``).
@@ -326,6 +371,11 @@ class InputProcessor:
                                 ("logit_bias", list(params.logit_bias or ()))):
             if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
                 raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
+
+
+#: A pooling request's sampling parameters: never read (it samples nothing), one token so that its
+#: bookkeeping (``OutputProcessor``) is a plain request's.
+_POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1)
 
 
 def _check_n(params: SamplingParams) -> None:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.engine_factory import load_engine
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -77,6 +81,23 @@ class LLM:
         requests = [self.processor.process(prompt, request_params)
                     for prompt, request_params in zip(prompts, params_list, strict=True)]
         return self._run([self._add_request(request) for request in requests], use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[torch.Tensor]:
+        """The vector of every prompt, as vLLM's ``LLM.embed``: an engine made with ``runner="pooling"`` pools each
+        prompt's final hidden states (``PoolerConfig``).
+
+        Returns:
+            One ``[D]`` float32 CPU tensor per prompt, in input order.
+
+        Raises:
+            InvalidRequestError: as ``InputProcessor.process_pooling`` (a generate runner among them); then no prompt
+                is queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        requests = [self.processor.process_pooling(prompt, pooling_params or PoolingParams()) for prompt in prompts]
+        return [output.pooling_output for output in self._run([self._add_request(r) for r in requests], use_tqdm)]
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -30,6 +30,7 @@ from pagedserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    import torch
     from transformers import PreTrainedTokenizerBase
 
 
@@ -89,6 +90,7 @@ class _ParentState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
     num_cached_tokens: int = 0
+    pooling_output: torch.Tensor | None = None  # a pooling request's vector, once its prompt has run
     asks_prompt_logprobs: bool = False
     # DELTA: children with news held back until child 0's prompt logprobs are complete (see _release).
     held: dict[str, _ChildState] = field(default_factory=dict)
@@ -234,6 +236,8 @@ class OutputProcessor:
         parent = child.parent
         # Siblings share the prompt: only child 0 computes its logprobs (add_request); take its cache hits too.
         if child.index == 0:
+            if output.pooling_output is not None:
+                parent.pooling_output = output.pooling_output
             if output.new_prompt_logprobs:
                 parent.prompt_logprobs = (parent.prompt_logprobs or []) + output.new_prompt_logprobs
             if output.num_cached_tokens:
@@ -293,7 +297,8 @@ class OutputProcessor:
         return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
                              prompt_token_ids=parent.prompt_token_ids,
                              outputs=sorted(completions, key=lambda c: c.index), finished=finished,
-                             prompt_logprobs=prompt_logprobs, num_cached_tokens=parent.num_cached_tokens)
+                             prompt_logprobs=prompt_logprobs, num_cached_tokens=parent.num_cached_tokens,
+                             pooling_output=parent.pooling_output)
 
     @staticmethod
     def _make_completion(child: _ChildState, delta: bool) -> CompletionOutput:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the scheduler and the frontend import these without torch
+    import torch
 
 
 class FinishReason(enum.StrEnum):
@@ -51,6 +55,8 @@ class ModelRunnerOutput:
         failed_req_ids: request id -> error message, for the scheduled requests whose own state,
             inputs or sampling raised this step. The worker has dropped their state already; any
             entries they still have in the lists above are to be ignored.
+        pooler_output: request id -> ``[D]`` float32 CPU vector, for the pooling requests whose prompt this
+            step completed (``--runner pooling``).
     """
 
     req_ids: list[str]
@@ -59,6 +65,7 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     failed_req_ids: dict[str, str] = field(default_factory=dict)
+    pooler_output: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -82,6 +89,7 @@ class EngineCoreOutput:
         error_param: with ``error``, the request field at fault when its own input failed it (a
             grammar that outgrew llguidance's limits while generating: ``structured_outputs``), so
             the frontend can answer as for invalid input; None for a fault of the engine's.
+        pooling_output: a pooling request's ``[D]`` float32 vector, on its last output.
     """
 
     request_id: str
@@ -94,6 +102,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     error: str | None = None
     error_param: str | None = None
+    pooling_output: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -132,3 +141,5 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    #: A pooling request's vector (``AsyncLLM.encode``): ``[D]`` float32 on the CPU; None for generation.
+    pooling_output: torch.Tensor | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pagedserve.engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
 from pagedserve.engine.outputs import FinishReason
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 
 
@@ -48,6 +49,8 @@ class EngineCoreRequest:
         sampling_params: with ``n == 1`` and ``max_tokens`` resolved.
         eos_token_id: the model's end-of-sequence token (None: no EOS stop).
         arrival_time: wall-clock seconds (``time.time()``) the request arrived.
+        pooling_params: set for a pooling request (``--runner pooling``), which runs its prompt once and
+            finishes with its vector; ``sampling_params`` are then never read.
     """
 
     request_id: str
@@ -55,6 +58,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     arrival_time: float
+    pooling_params: PoolingParams | None = None
 
 
 class Request:
@@ -76,13 +80,16 @@ class Request:
         eos_token_id: the model's end-of-sequence token (None: no EOS stop).
         block_size: KV block size in tokens, used for ``block_hashes``.
         arrival_time: wall-clock seconds (``time.time()``) the request arrived.
+        pooling_params: set for a pooling request (``EngineCoreRequest.pooling_params``).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None, block_size: int, arrival_time: float | None = None) -> None:
+                 eos_token_id: int | None, block_size: int, arrival_time: float | None = None,
+                 pooling_params: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_id = eos_token_id
         self.block_size = block_size
         self.arrival_time = time.time() if arrival_time is None else arrival_time
@@ -106,7 +113,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, block_size: int) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   block_size, request.arrival_time)
+                   block_size, request.arrival_time, request.pooling_params)
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,13 @@ from pagedserve.server.chat import create_chat_completion, tokenize_chat
 from pagedserve.server.completions import create_completion
 from pagedserve.server.dashboard import router as dashboard_router
 from pagedserve.server.dashboard import static_files as dashboard_static_files
+from pagedserve.server.embeddings import (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingResponse,
+    create_embedding,
+    create_pooling,
+)
 from pagedserve.server.errors import (
     AnthropicErrorResponse,
     BodySizeLimitMiddleware,
@@ -76,8 +83,8 @@ class ServerArgs:
     host: str = setting("127.0.0.1", "Address to listen on; 0.0.0.0 for every interface")
     port: int = setting(8000, "TCP port to listen on")
     api_key: str | None = setting(
-        None, "Require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize; "
-        "empty = open (env PAGEDSERVE_API_KEY)")
+        None, "Require 'Authorization: Bearer <key>' (or 'x-api-key: <key>') on /v1/*, /tokenize, /detokenize and "
+        "/pooling; empty = open (env PAGEDSERVE_API_KEY)")
     allowed_origins: list[str] = setting(
         [], "Origins allowed to call the API from a browser (CORS), '*' for any; empty = CORS off")
     max_request_body_bytes: int | str = setting("16MiB", "Largest request body accepted (HTTP 413 above)",
@@ -128,7 +135,7 @@ class APIKeyMiddleware:
 
     @staticmethod
     def _protected(path: str) -> bool:
-        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/pooling")
 
     def _authorized(self, bearer: bytes | None, api_key: bytes | None) -> bool:
         """Whether ``bearer`` (the Authorization header's value: ``Bearer``, one or more spaces, the key) or
@@ -260,6 +267,18 @@ async def delete_response(response_id: str, request: Request) -> DeletedResponse
     if not ResponseStore.of(request.app).delete(response_id):
         raise response_not_found(response_id)
     return DeletedResponse(id=response_id)
+
+
+@router.post("/v1/embeddings", responses=_errors(*_GENERATION_STATUSES))
+async def embeddings(body: EmbeddingRequest, request: Request, engine: Engine) -> EmbeddingResponse:
+    """One vector per input, from a server started with ``--runner pooling`` (``pagedserve.server.embeddings``)."""
+    return await _cancel_on_disconnect(request, create_embedding(body, engine))
+
+
+@router.post("/pooling", responses=_errors(*_GENERATION_STATUSES))
+async def pooling(body: EmbeddingRequest, request: Request, engine: Engine) -> PoolingResponse:
+    """vLLM's pooling route: the vectors of ``/v1/embeddings`` in vLLM's shape."""
+    return await _cancel_on_disconnect(request, create_pooling(body, engine))
 
 
 #: One server-sent event of a streamed message: its type, and its JSON with the same ``type``.

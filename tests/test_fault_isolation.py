@@ -116,7 +116,7 @@ def fail_for_bad(original, message: str, key_of, bad="bad"):
 
 def test_fault_creating_worker_state(tiny_llama_folder, reference, monkeypatch):
     monkeypatch.setattr(model_runner, "CachedRequestState", fail_for_bad(
-        model_runner.CachedRequestState, "state injected", lambda req_id, *args: req_id))
+        model_runner.CachedRequestState, "state injected", lambda req_id, *args, **kwargs: req_id))
     core = make_core(tiny_llama_folder)
     tokens, errors = run(core, SamplingParams(temperature=0.0, max_tokens=5))
     assert_isolated(core, tokens, errors, reference, "state injected")

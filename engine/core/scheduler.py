@@ -390,6 +390,12 @@ class Scheduler:
                         model_runner_output: ModelRunnerOutput, index: int) -> EngineCoreOutput | None:
         """Apply one request's step result; its output, or None when it has no news."""
         req_id = request.request_id
+        pooled = model_runner_output.pooler_output.get(req_id)
+        if pooled is not None:  # a pooling request whose prompt has run: done, its blocks freed
+            self._free_request(request, RequestStatus.FINISHED_STOPPED)
+            return EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=request.finish_reason,
+                                    num_cached_tokens=request.num_cached_tokens,
+                                    first_scheduled_time=request.first_scheduled_time, pooling_output=pooled)
         generated = model_runner_output.sampled_token_ids[index]
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and generated:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.block_table import BlockTable
 from pagedserve.engine.worker.sampling_metadata import LogitBias, SamplingMetadata
@@ -33,6 +34,9 @@ class CachedRequestState:
     # Prompt positions whose logprobs were already returned; survives preemption,
     # so a recomputed prompt does not report them twice.
     num_prompt_logprobs_done: int = 0
+    # A pooling request's parameters, and what its prompt's chunks have pooled so far (``Pooler``).
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

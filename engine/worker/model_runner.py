@@ -31,6 +31,7 @@ from pagedserve.engine.profiling import region
 from pagedserve.engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from pagedserve.engine.worker.host_resources import available_cores
 from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.engine.worker.pooler import Pooler
 from pagedserve.engine.worker.rejection_sampler import RejectionSampler
 from pagedserve.engine.worker.sampler import Sampler, compute_logprobs_tensors
 
@@ -111,6 +112,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
+        # --runner pooling: every request is pooled once its prompt has run; none samples.
+        self.pooler = Pooler(config.pooler_config) if config.pooler_config is not None else None
         self.arange_np = np.arange(max(scheduler_config.max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingSample | None = None
@@ -182,7 +185,7 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params, generator,
-                                   list(new.block_ids), new.num_computed_tokens)
+                                   list(new.block_ids), new.num_computed_tokens, pooling_params=new.pooling_params)
         self.requests[new.req_id] = state
         return state
 
@@ -306,7 +309,8 @@ class ModelRunner:
 
         Returns:
             None when rows sample this step (their logits are kept for ``sample_tokens``);
-            otherwise the step's whole output (a cleanup step, or only partial prefills).
+            otherwise the step's whole output (a cleanup step, only partial prefills, or a pooling runner's
+            step, with the vectors of the prompts it completed).
         """
         self._failed_before, self._failed = set(self._failed), {}
         with region("model_runner.update_states"):
@@ -329,13 +333,17 @@ class ModelRunner:
         req_ids = list(batch.req_ids[:num_reqs])
         prompt_logprobs = (self._compute_prompt_logprobs(hidden_states, inputs, req_ids)
                            if batch.prompt_logprobs_req_ids else {})
+        common = inputs.attn_metadata
+        pooled = {} if self.pooler is None else self.pooler(
+            hidden_states, [batch.states[row] for row in range(num_reqs)], common.query_start_loc_cpu,
+            common.seq_lens_cpu - inputs.num_scheduled_tokens)
         # CachedRequestState.num_computed_tokens is not advanced here: it is only read
         # when a row is (re)added, and _update_states sets it from the scheduler first.
         batch.num_computed_tokens_cpu[:num_reqs] = inputs.attn_metadata.seq_lens_cpu
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=[[] for _ in range(num_reqs)], prompt_logprobs=prompt_logprobs,
-                                   failed_req_ids=self._failed)
-        if not len(inputs.sample_rows):
+                                   failed_req_ids=self._failed, pooler_output=pooled)
+        if self.pooler is not None or not len(inputs.sample_rows):  # a pooling runner samples nothing
             return output
         with region("model_runner.compute_logits"), self._threads_for(len(inputs.input_ids)):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
