@@ -12,14 +12,17 @@ running (their modules under ``benchmarks/gpu/`` say what they measure):
 - ``decode_steps``: decode step time at batch 1, 64 and 256 on that model,
   against the roofline, and where the step's time goes by the engine's regions;
 - ``tensor_parallel``: greedy outputs at tensor-parallel size 2 against size 1
-  (skipped, with a note, below two CUDA devices).
+  (skipped, with a note, below two CUDA devices);
+- ``lora``: two adapters and the base model in one batch against transformers +
+  PEFT, the Triton LoRA kernel against torch's products, and multi-LoRA speed.
 
 The check imports only engine modules that need neither fastapi, uvicorn nor
-gguf, so it runs on a machine whose Python has torch, triton and transformers
-alone. It writes ``gpu_check_<device>.json`` and ``gpu_check_<device>.md`` to
+gguf, so it runs on a machine whose Python has torch, triton, transformers,
+llguidance and peft, with pagedserve importable (``pip install -e . --no-deps``).
+It writes ``gpu_check_<device>.json`` and ``gpu_check_<device>.md`` to
 ``--out`` (rewritten after every part, so a killed run leaves what it had).
 
-    benchmarks/gpu_check.sh                              # the whole check, on CUDA (< 6 min on an H200)
+    benchmarks/gpu_check.sh                              # the whole check, on CUDA (about 2 min on an H200)
     benchmarks/gpu_check.sh --device cpu --quick --sections greedy_parity   # a dry run with small sizes
 """
 
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity, tensor_parallel
+from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity, lora, tensor_parallel
 from benchmarks.gpu.context import CheckContext, LogRecorder
 from benchmarks.gpu.report import SECTIONS, goals, write_summary
 
@@ -98,6 +101,8 @@ def run_check(device: str, sections: list[str], quick: bool, out: Path,
             decode_throughput.run(ctx, on_engine)
         if tensor_parallel.NAME in sections:
             ctx.run_section(tensor_parallel.NAME, tensor_parallel.run)
+        if lora.NAME in sections:
+            ctx.run_section(lora.NAME, lora.run)
     engine_logger.removeHandler(recorder)
     ctx.save()
     results["meta"].pop("_t0")

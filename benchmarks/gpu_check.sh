@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The device check on an H100/H200 (under 6 minutes): greedy parity with transformers on tiny models,
-# the Triton attention kernels vs the torch reference, offline throughput and decode step time and
-# breakdown vs the roofline on a random Llama-3.2-1B-shape model (benchmarks/gpu/). Needs torch (CUDA),
-# triton and transformers; not fastapi, uvicorn or gguf. Results: gpu_check_<device>.json and .md under --out.
+# The device check on an H100/H200 (about 2 minutes on an H200): greedy parity with transformers on tiny
+# models, the Triton attention kernels vs the torch reference, offline throughput and decode step time and
+# breakdown vs the roofline on a random Llama-3.2-1B-shape model, LoRA adapters vs transformers + PEFT and
+# their speed (benchmarks/gpu/). Needs torch (CUDA), triton, transformers, llguidance and peft, with
+# pagedserve importable (pip install -e . --no-deps); not fastapi, uvicorn or gguf. Results:
+# gpu_check_<device>.json and .md under --out.
 #
-#   benchmarks/gpu_check.sh [--sections greedy_parity,attention_kernels,throughput,decode_steps] [--quick]
+#   benchmarks/gpu_check.sh [--sections greedy_parity,attention_kernels,throughput,decode_steps,lora] [--quick]
 #                           [--out benchmarks/results/]
 #   benchmarks/gpu_check.sh --device cpu --quick          # dry run without a GPU
 #

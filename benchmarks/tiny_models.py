@@ -74,3 +74,30 @@ def tiny_hf_model(model_type: str, folder: Path, *, tie_word_embeddings: bool, s
             param.copy_(torch.randn_like(param) * 0.1 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(folder)
     return model
+
+
+def random_lora_adapter(base: str | Path, folder: Path, *, rank: int, targets: list[str], seed: int,
+                        scale: float = 0.15, rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter of the model in ``base``, ``lora_alpha`` twice the rank, with A and B drawn from
+    N(0, ``scale``²) (PEFT's own initialisation makes B zero, an adapter that changes nothing), saved to ``folder``.
+
+    Args:
+        targets: checkpoint module names (``q_proj``, ``down_proj``...).
+        rslora: scale by ``alpha / sqrt(rank)`` (rsLoRA) instead of ``alpha / rank``.
+
+    Returns:
+        ``folder``.
+    """
+    import peft  # a test and benchmark extra
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=rslora,
+                             lora_dropout=0.0)
+    lora_model = peft.get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in lora_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * scale)
+    lora_model.save_pretrained(folder)
+    return folder

@@ -46,6 +46,7 @@ from pagedserve.engine.core_client import (
 from pagedserve.engine.engine_factory import load_engine, load_processor
 from pagedserve.engine.errors import EngineDeadError
 from pagedserve.engine.input_processor import InputProcessor, ProcessedRequest
+from pagedserve.engine.lora.registry import LoRARegistry
 from pagedserve.engine.metrics.loggers import StatLogger
 from pagedserve.engine.metrics.stats import IterationStats, RequestStatsTracker
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
@@ -111,10 +112,12 @@ def _num_tokens(output: RequestOutput) -> int:
 
 
 class LoadedClient(NamedTuple):
-    """An engine core behind its client, and the input processor for its configuration."""
+    """An engine core behind its client, the input processor for its configuration, and its adapters (None
+    without ``enable_lora``)."""
 
     client: EngineCoreClient
     processor: InputProcessor
+    loras: LoRARegistry | None
 
 
 class AsyncLLM:
@@ -134,11 +137,13 @@ class AsyncLLM:
         processor: turns prompts into the ``ProcessedRequest`` s ``generate`` takes.
         tokenizer, model_name, max_model_len: the served model's.
         default_sampling_params: ``SamplingParams`` field -> the model's default (``generation_config``).
+        loras: the adapters served by name (``--enable-lora``); None without.
         step_records: the dashboard's last step records (``StepRecordBuffer``); None when
             ``step_record_buffer_size`` is 0.
     """
 
-    def __init__(self, client: EngineCoreClient, processor: InputProcessor, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, client: EngineCoreClient, processor: InputProcessor, loras: LoRARegistry | None,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.client = client
         self.processor = processor
         self.config = config = client.config
@@ -146,6 +151,7 @@ class AsyncLLM:
         self.model_name = config.model_config.served_model_name
         self.max_model_len = config.model_config.max_model_len
         self.default_sampling_params = config.model_config.generation_defaults
+        self.loras = loras
         self._max_waiting_requests = config.args.max_waiting_requests
         self._max_stream_backlog_tokens = config.args.max_stream_backlog_tokens
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -194,15 +200,18 @@ class AsyncLLM:
         """
         if args.cpu_reserved_cores is None:  # the frontend shares the machine: small steps leave it a core
             args = replace(args, cpu_reserved_cores=1)
+        processor = None
         if engine_process:
-            client = ProcClient(args, log_config)
-            try:
-                return LoadedClient(client, load_processor(client.config))
-            except BaseException:
-                client.shutdown()
-                raise
-        engine_core, processor = load_engine(args)
-        return LoadedClient(InprocClient(engine_core), processor)
+            client: EngineCoreClient = ProcClient(args, log_config)
+        else:
+            engine_core, processor = load_engine(args)
+            client = InprocClient(engine_core)
+        try:
+            loras = LoRARegistry.for_engine(client.config)  # an adapter that does not fit stops the start here
+            return LoadedClient(client, processor or load_processor(client.config), loras)
+        except BaseException:
+            client.shutdown()
+            raise
 
     # ------------------------------------------------------------------ the core's results (EngineCoreSink)
     # Called from the engine's thread, or the thread reading the engine process's results: each hands its

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.engine.lora.registry import LoRAModulePath
 from pagedserve.engine.model.windows import uniform_sliding_window
 from pagedserve.engine.pooling_params import PoolerConfig
 from pagedserve.engine.reasoning import REASONING_FORMATS
@@ -145,6 +146,17 @@ class EngineArgs:
     pooler_config: dict | str | None = setting(
         None, "With --runner pooling, a JSON object (a mapping in YAML) with vLLM's keys: pooling_type (LAST, the "
         "default; MEAN; CLS = the first token) and normalize (true by default: unit-length vectors)")
+    enable_lora: bool = setting(
+        False, "Serve LoRA adapters beside the base model (vLLM's --enable-lora): a request names one as its model; "
+        "requests of different adapters and of the base model share each step (docs/lora.md)")
+    lora_modules: list[str] = setting(
+        [], "Adapters to serve from the start, each name=path to a PEFT folder, or vLLM's JSON form "
+        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs enable_lora")
+    max_loras: int = setting(1, "Most distinct adapters in one step (the worker's adapter slots)", "adapters")
+    max_lora_rank: int = setting(16, "Largest adapter rank served (the slots' size)")
+    max_cpu_loras: int | None = setting(
+        None, "Adapters the worker keeps read in memory (at least max_loras, the least recently used dropped first); "
+        "empty = max_loras", "adapters")
     async_scheduling: bool = setting(
         False, "Plan each engine step while the worker runs the one before (vLLM's --async-scheduling): the "
         "scheduler counts the tokens being sampled as placeholders and the worker fills them in, which hides the "
@@ -189,6 +201,18 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {err}") from err
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # validated here, resolved by EngineConfig
+        if self.enable_lora:
+            for name in ("max_loras", "max_lora_rank"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            if self.runner == "pooling":
+                raise ValueError("enable_lora is for --runner generate")
+            for entry in self.lora_modules:
+                LoRAModulePath.parse(entry)
+        elif self.lora_modules:
+            raise ValueError("lora_modules needs enable_lora")
         if self.runner == "pooling":
             PoolerConfig.parse(self.pooler_config)  # validated here, resolved by EngineConfig
             for name in ("speculative_config", "async_scheduling", "reasoning_parser"):
@@ -263,6 +287,7 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int = 0
     async_scheduling: bool = False  # plan step N + 1 while step N runs (``Request.num_output_placeholders``)
+    max_loras: int | None = None  # most distinct adapters among the running requests; None = no adapters
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 1:
@@ -343,6 +368,17 @@ def max_model_len_for(requested: int | None, hf_config: Any) -> int:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """The adapters' limits (``--enable-lora``): ``max_loras`` distinct adapters per step (the worker's slots), of
+    rank at most ``max_lora_rank``; the worker keeps ``max_cpu_loras`` adapters read, the least recently used
+    dropped first."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything resolved for one engine (vLLM's ``VllmConfig``).
 
@@ -356,6 +392,7 @@ class EngineConfig:
     cache_config: CacheConfig
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
     pooler_config: PoolerConfig | None = None  # ``--runner pooling``'s; None = the generate runner
+    lora_config: LoRAConfig | None = None  # None = no adapters (``--enable-lora`` off)
 
     @classmethod
     def for_model(cls, args: EngineArgs, model_config: ModelConfig) -> EngineConfig:
@@ -368,9 +405,12 @@ class EngineConfig:
         return cls(args=args, model_config=model_config,
                    scheduler_config=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                     model_config.max_model_len, args.long_prefill_token_threshold,
-                                                    args.async_scheduling),
+                                                    args.async_scheduling,
+                                                    args.max_loras if args.enable_lora else None),
                    cache_config=CacheConfig(0, args.block_size, prefix_caching,
                                             uniform_sliding_window(model_config.hf_config)),
                    speculative_config=None if args.speculative_config is None
                    else SpeculativeConfig.from_dict(args.speculative_config),
-                   pooler_config=pooler_config)
+                   pooler_config=pooler_config,
+                   lora_config=LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+                   if args.enable_lora else None)

@@ -39,6 +39,11 @@ _READERS: dict[str, Callable[[str], Any]] = {
     # 0: the torch reference of the fused CPU elementwise ops (pagedserve.engine.model.cpu_ops) everywhere;
     # read once per process, at the first such op. For comparisons and benchmarks.
     "PAGEDSERVE_FUSED_CPU_OPS": _switch,
+    # 1 or true: with --enable-lora, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters
+    # served (pagedserve.server.models); vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING counts the same. Default off.
+    "PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING": lambda name: any(
+        os.environ.get(variable, "").lower() in ("1", "true")
+        for variable in (name, "VLLM_ALLOW_RUNTIME_LORA_UPDATING")),
 }
 
 

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedserve.engine.chat_template import RESERVED_TEMPLATE_KWARGS, chat_prompt_token_ids
 from pagedserve.engine.config import CacheConfig, ModelConfig
 from pagedserve.engine.errors import InvalidRequestError
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolerConfig, PoolingParams
 from pagedserve.engine.request import EngineCoreRequest
 from pagedserve.engine.sampling_params import SamplingParams
@@ -102,6 +103,7 @@ class ProcessedRequest:
         sampling_params: with ``max_tokens`` resolved (never None).
         eos_token_id: the model's end-of-sequence token (None: no EOS stop).
         pooling_params: set for a pooling request (``process_pooling``), whose ``sampling_params`` are never read.
+        lora_request: the adapter it runs with (the server sets it from ``model``); None = the base model.
     """
 
     prompt: str | None
@@ -109,6 +111,7 @@ class ProcessedRequest:
     sampling_params: SamplingParams
     eos_token_id: int | None
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     def engine_core_requests(self, children: Sequence[tuple[str, SamplingParams]],
                              arrival_time: float) -> list[EngineCoreRequest]:
@@ -119,7 +122,7 @@ class ProcessedRequest:
             arrival_time: wall-clock seconds (``time.time()``) the request arrived.
         """
         return [EngineCoreRequest(request_id, self.prompt_token_ids, params, self.eos_token_id, arrival_time,
-                                  self.pooling_params) for request_id, params in children]
+                                  self.pooling_params, self.lora_request) for request_id, params in children]
 
 
 class InputProcessor:
@@ -206,14 +209,14 @@ class InputProcessor:
         return await _run_sized(num_chars, self.render_chat, messages, add_generation_prompt, tools, template_kwargs,
                                 continue_final_message)
 
-    async def process_async(self, prompt: PromptType, params: SamplingParams,
-                            default_max_tokens: int | None = None) -> ProcessedRequest:
+    async def process_async(self, prompt: PromptType, params: SamplingParams, default_max_tokens: int | None = None,
+                            lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """``process``, after ``check_length``; a large prompt is tokenized off the event loop."""
         num_chars = len(prompt) if isinstance(prompt, str) else 0
         if num_chars:
             self.check_length(num_chars, "prompt")
         await self.check_params_async(params)
-        return await _run_sized(num_chars, self.process, prompt, params, default_max_tokens)
+        return await _run_sized(num_chars, self.process, prompt, params, default_max_tokens, lora_request)
 
     def check_params(self, params: SamplingParams) -> None:
         """The checks that need no prompt, cheapest first: ``n``, then the structured-output constraint,
@@ -265,8 +268,8 @@ class InputProcessor:
         except (ValueError, TemplateError) as exc:
             raise InvalidRequestError(f"The chat template cannot render these messages: {exc}", "messages") from exc
 
-    def process(self, prompt: PromptType, params: SamplingParams,
-                default_max_tokens: int | None = None) -> ProcessedRequest:
+    def process(self, prompt: PromptType, params: SamplingParams, default_max_tokens: int | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Tokenize ``prompt`` and check the request; ``max_tokens`` None becomes all the context the prompt
         leaves, at most ``default_max_tokens``.
 
@@ -275,6 +278,7 @@ class InputProcessor:
             params: the request's sampling parameters (``n`` not yet fanned out).
             default_max_tokens: caps an open ``max_tokens``: the server passes the model's default
                 (``generation_config``), as vLLM's server does; the offline ``LLM`` passes none, as vLLM's.
+            lora_request: the adapter it runs with (already checked: ``LoRARegistry``); None = the base model.
 
         Raises:
             InvalidRequestError: naming the field at fault (``prompt``, ``max_tokens``, ``logprobs``, ...):
@@ -306,7 +310,8 @@ class InputProcessor:
             param = "prompt" if requested_max_tokens is None else "max_tokens"
             raise InvalidRequestError(f"a request of up to {max_len} tokens needs more KV cache than the engine "
                                       f"has ({self.kv_cache_tokens} tokens)", param)
-        return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id)
+        return ProcessedRequest(prompt if isinstance(prompt, str) else None, token_ids, params, self.eos_token_id,
+                                lora_request=lora_request)
 
     async def process_pooling_async(self, prompt: PromptType, params: PoolingParams) -> ProcessedRequest:
         """``process_pooling``, after ``check_length``; a large prompt is tokenized off the event loop."""

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 from pagedserve.engine.config import EngineArgs
 from pagedserve.engine.engine_factory import load_engine
 from pagedserve.engine.input_processor import ProcessedRequest, PromptType
+from pagedserve.engine.lora.peft import check_adapter
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
@@ -52,13 +54,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete every prompt.
 
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one for all prompts or one per prompt; default ``get_default_sampling_params()``.
             use_tqdm: show a progress bar.
+            lora_request: the adapter of all prompts or one per prompt (None: the base model), as vLLM's; needs
+                ``enable_lora``. Each is checked against the model (``check_adapter``) before anything is queued.
 
         Returns:
             One ``RequestOutput`` per prompt, in input order.
@@ -66,7 +71,8 @@ class LLM:
         Raises:
             InvalidRequestError: a request the engine could never run (see ``InputProcessor.process``);
                 then no prompt is queued.
-            ValueError: as many sampling params as prompts are needed.
+            ValueError: as many sampling params (and adapters) as prompts are needed; adapters without
+                ``enable_lora``; ``AdapterError`` (a ValueError) for an adapter that does not fit.
             RequestFailedError: the engine failed one request (a fault in its own state or sampling);
                 the others are aborted, since the call returns all or nothing. ``InvalidRequestError`` in
                 the same way when a request's grammar outgrew llguidance's limits while generating.
@@ -77,10 +83,24 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        loras = self._adapters(lora_request, len(prompts))
         # Check every prompt before queueing any, so a bad one leaves nothing half-submitted.
-        requests = [self.processor.process(prompt, request_params)
-                    for prompt, request_params in zip(prompts, params_list, strict=True)]
+        requests = [self.processor.process(prompt, request_params, lora_request=lora)
+                    for prompt, request_params, lora in zip(prompts, params_list, loras, strict=True)]
         return self._run([self._add_request(request) for request in requests], use_tqdm)
+
+    def _adapters(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                  num_prompts: int) -> list[LoRARequest | None]:
+        """One checked adapter (or None) per prompt."""
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * num_prompts)
+        if len(loras) != num_prompts:
+            raise ValueError(f"got {num_prompts} prompts but {len(loras)} lora requests")
+        lora_config = self.engine_core.config.lora_config
+        for lora in {lora.lora_int_id: lora for lora in loras if lora is not None}.values():
+            if lora_config is None:
+                raise ValueError("lora_request needs an engine made with enable_lora=True")
+            check_adapter(lora.lora_path, self.engine_core.config.model_config.hf_config, lora_config.max_lora_rank)
+        return loras
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               use_tqdm: bool = True) -> list[torch.Tensor]:

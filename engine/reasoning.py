@@ -107,7 +107,7 @@ class ReasoningStream:
                 reasoning.append(text[:end])
                 text, self._inside, self._done = text[end + len(self.fmt.end_tag):], False, True
                 continue
-            keep = _partial_suffix(text, self.fmt.end_tag)
+            keep = partial_suffix(text, self.fmt.end_tag)
             reasoning.append(text[:len(text) - keep])
             self._held = text[len(text) - keep:]
             break
@@ -119,8 +119,9 @@ class ReasoningStream:
         return (held, "") if self._inside and not self._done else ("", held)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (shorter than the tag)."""
+def partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (shorter than the tag; 0 when none): what a
+    streaming parser holds back, since it may be a tag cut across deltas."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):
             return length

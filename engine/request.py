@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.engine.core.kv_cache_utils import BlockHash, hash_new_full_blocks
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.outputs import FinishReason
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class EngineCoreRequest:
         arrival_time: wall-clock seconds (``time.time()``) the request arrived.
         pooling_params: set for a pooling request (``--runner pooling``), which runs its prompt once and
             finishes with its vector; ``sampling_params`` are then never read.
+        lora_request: the adapter it runs with; None = the base model.
     """
 
     request_id: str
@@ -59,6 +61,7 @@ class EngineCoreRequest:
     eos_token_id: int | None
     arrival_time: float
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class Request:
@@ -81,12 +84,16 @@ class Request:
         block_size: KV block size in tokens, used for ``block_hashes``.
         arrival_time: wall-clock seconds (``time.time()``) the request arrived.
         pooling_params: set for a pooling request (``EngineCoreRequest.pooling_params``).
+        lora_request: its adapter, whose id is part of every block hash (the prefix cache never shares K/V
+            across adapters); None = the base model.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_id: int | None, block_size: int, arrival_time: float | None = None,
-                 pooling_params: PoolingParams | None = None) -> None:
+                 pooling_params: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
+        self._hash_keys = (lora_request.cache_key,) if lora_request is not None else ()
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params
@@ -108,12 +115,12 @@ class Request:
         # time.monotonic() seconds when the scheduler first gave it tokens; None before (for metrics).
         self.first_scheduled_time: float | None = None
         self.block_hashes: list[BlockHash] = []
-        hash_new_full_blocks(self._all_token_ids, self.block_hashes, block_size)
+        hash_new_full_blocks(self._all_token_ids, self.block_hashes, block_size, self._hash_keys)
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, block_size: int) -> Request:
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   block_size, request.arrival_time, request.pooling_params)
+                   block_size, request.arrival_time, request.pooling_params, request.lora_request)
 
     @property
     def num_tokens(self) -> int:
@@ -150,4 +157,4 @@ class Request:
         self._output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
         if len(self._all_token_ids) // self.block_size > len(self.block_hashes):
-            hash_new_full_blocks(self._all_token_ids, self.block_hashes, self.block_size)
+            hash_new_full_blocks(self._all_token_ids, self.block_hashes, self.block_size, self._hash_keys)

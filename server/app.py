@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -45,16 +46,16 @@ from pagedserve.server.errors import (
     add_exception_handlers,
     anthropic_route,
     bad_request,
-    check_model,
     check_token_ids,
     engine_errors,
-    model_not_found,
+    resolve_model,
 )
 from pagedserve.server.logging_config import LOG_FORMATS
 from pagedserve.server.messages import count_message_tokens, create_message
 from pagedserve.server.messages_protocol import Message, MessagesPrompt, MessagesRequest, MessageTokensCount
 from pagedserve.server.metrics_route import engine_stats
 from pagedserve.server.metrics_route import router as metrics_router
+from pagedserve.server.models import load_lora_adapter, model_card, model_cards, unload_lora_adapter
 from pagedserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -62,10 +63,12 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     check_fields,
 )
 from pagedserve.server.responses import ResponseStore, create_response, response_not_found, retrieve_response
@@ -308,16 +311,33 @@ async def count_tokens(body: MessagesPrompt, request: Request, engine: Engine) -
 
 @router.get("/v1/models")
 async def models(engine: Engine) -> ModelList:
-    return ModelList(data=[ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)])
+    """The served model and its LoRA adapters (``pagedserve.server.models``)."""
+    return ModelList(data=model_cards(engine))
 
 
 # ``:path``: a hub id has a slash (``org/name``), which the openai SDK sends as %2F.
 @router.get("/v1/models/{model_id:path}", responses=_errors(HTTPStatus.NOT_FOUND))
 async def retrieve_model(model_id: str, engine: Engine) -> ModelCard:
-    """OpenAI's retrieve-model: the served model's card; 404 ``model_not_found`` for any other id."""
-    if model_id != engine.model_name:
-        raise model_not_found(model_id, engine.model_name)
-    return ModelCard(id=engine.model_name, max_model_len=engine.max_model_len)
+    """OpenAI's retrieve-model: the served model's or an adapter's card; 404 ``model_not_found`` for any other id."""
+    return model_card(model_id, engine)
+
+
+# vLLM answers these two with a line of text; their errors are JSON like every route's (a route's
+# response_class would document its errors as text too).
+_TEXT_OK = {200: {"description": "Success: a line of text", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+@router.post("/v1/load_lora_adapter", response_class=Response, responses={**_TEXT_OK, **_errors(*_BODY_ERRORS)})
+async def load_adapter(body: LoadLoRAAdapterRequest, engine: Engine) -> PlainTextResponse:
+    """vLLM's: serve a PEFT adapter folder under a name (``--enable-lora``, runtime updating allowed)."""
+    return PlainTextResponse(await load_lora_adapter(body, engine))
+
+
+@router.post("/v1/unload_lora_adapter", response_class=Response,
+             responses={**_TEXT_OK, **_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND)})
+async def unload_adapter(body: UnloadLoRAAdapterRequest, engine: Engine) -> PlainTextResponse:
+    """vLLM's: stop serving an adapter; its requests in flight finish."""
+    return PlainTextResponse(await unload_lora_adapter(body, engine))
 
 
 @router.get("/health", response_class=Response, responses={
@@ -341,7 +361,7 @@ async def version() -> dict[str, str]:
 @router.post("/tokenize", responses=_errors(*_BODY_ERRORS, HTTPStatus.NOT_FOUND))
 async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> TokenizeResponse:
     """Token ids of a prompt, or of chat messages (and tools) rendered as a chat request renders them."""
-    check_model(body.model, engine.model_name)
+    resolve_model(body.model, engine)  # an adapter's tokenizer is its base model's
     check_fields(body)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Send exactly one of 'prompt' and 'messages'.")
@@ -358,7 +378,7 @@ async def tokenize(body: TokenizeRequest, request: Request, engine: Engine) -> T
 async def detokenize(body: DetokenizeRequest, engine: Engine) -> DetokenizeResponse:
     """The text of token ids: at most ``max_model_len`` of them (the longest sequence the server holds), each in
     the vocabulary; else a 400 naming ``tokens``."""
-    check_model(body.model, engine.model_name)
+    resolve_model(body.model, engine)  # an adapter's tokenizer is its base model's
     check_fields(body)
     if len(body.tokens) > engine.max_model_len:
         raise bad_request(f"tokens has {len(body.tokens)} ids; at most max_model_len ({engine.max_model_len}) "

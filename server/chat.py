@@ -29,8 +29,8 @@ from pagedserve.engine.reasoning import ReasoningFormat, ReasoningStream, reason
 from pagedserve.engine.sampling_params import StructuredOutputsParams
 from pagedserve.server.errors import (
     bad_request,
-    check_model,
     engine_errors,
+    resolve_model,
 )
 from pagedserve.server.protocol import (
     AssistantMessage,
@@ -117,7 +117,7 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
         OpenAIError: 400 for invalid or unsupported input, 404 for an unknown
             model, 429 when the queue is full, 503 when the engine is down.
     """
-    check_model(request.model, engine.model_name)
+    lora = resolve_model(request.model, engine)
     _check_supported(request)
     # Errors name the field the client set: chat's names for SamplingParams' max_tokens and logprobs.
     max_tokens_param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
@@ -135,14 +135,14 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
                                             engine.default_sampling_params, structured_outputs)
         token_ids = await _prompt_token_ids(request, plan, tool_format, engine)
         await engine.processor.check_params_async(params)  # compiled off the loop; process() finds it cached
-        prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"))
+        prompt = engine.processor.process(token_ids, params, engine.default_sampling_params.get("max_tokens"), lora)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = engine.generate(prompt, request_id, kind)
     reasoning = engine.config.model_config.reasoning_parser
     stream = _ChatStream(request, engine.tokenizer, len(token_ids), params.n, client_names,
-                         ChatCompletionChunk(id=request_id, created=unix_time(), model=engine.model_name,
-                                             choices=[]), parser,
+                         ChatCompletionChunk(id=request_id, created=unix_time(),
+                                             model=request.model or engine.model_name, choices=[]), parser,
                          reasoning_format(reasoning) if reasoning is not None else None)
     if request.stream:
         return await first_chunk_awaited(stream.chunks(outputs))
@@ -151,7 +151,7 @@ async def run_chat(request: ChatCompletionRequest, engine: AsyncLLM, tool_call_p
             async for output in outputs:  # FINAL_ONLY: one output, once every choice is done
                 final = output
     response = ChatCompletionResponse(
-        id=request_id, created=stream.head.created, model=engine.model_name,
+        id=request_id, created=stream.head.created, model=stream.head.model,
         choices=[stream.whole_choice(c) for c in final.outputs],
         usage=UsageInfo.of(len(token_ids), sum(len(c.token_ids) for c in final.outputs)))
     if request.prompt_logprobs is not None:  # prompt length x (k + 1) entries: converted off the event loop

@@ -25,8 +25,8 @@ from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedserve.server.errors import (
     bad_request,
-    check_model,
     engine_errors,
+    resolve_model,
 )
 from pagedserve.server.protocol import (
     CompletionChoice,
@@ -165,7 +165,7 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
         OpenAIError: 400 for invalid or unsupported input, 404 for an unknown
             model, 429 when the queue is full, 503 when the engine is down.
     """
-    check_model(request.model, engine.model_name)
+    lora = resolve_model(request.model, engine)
     request.check()
     raw_prompts = _split_prompts(request.prompt)
     # As in vLLM: echo with logprobs asks for the prompt's logprobs, to echo them.
@@ -183,12 +183,13 @@ async def create_completion(request: CompletionRequest, engine: AsyncLLM) -> Res
         # Every prompt is checked before any is queued.
         default_max_tokens = engine.default_sampling_params.get("max_tokens")
         # Each checked by length, then tokenized off the event loop when large.
-        prompts = [await engine.processor.process_async(p, params, default_max_tokens) for p in raw_prompts]
+        prompts = [await engine.processor.process_async(p, params, default_max_tokens, lora) for p in raw_prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
     outputs = _merge([engine.generate(p, f"{request_id}-{i}", kind) for i, p in enumerate(prompts)])
     builder = _ChoiceBuilder(request, prompts, params.n, engine.tokenizer)
-    response = CompletionResponse(id=request_id, created=unix_time(), model=engine.model_name, choices=[])
+    response = CompletionResponse(id=request_id, created=unix_time(), model=request.model or engine.model_name,
+                                  choices=[])
     num_prompt_tokens = sum(len(p.prompt_token_ids) for p in prompts)
     if request.stream:
         chunks = _chunks(response, request, num_prompt_tokens, builder, outputs, client_names)

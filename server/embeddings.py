@@ -21,7 +21,7 @@ from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.engine.output_processor import RequestOutputKind
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.pooling_params import PoolingParams
-from pagedserve.server.errors import check_model, engine_errors
+from pagedserve.server.errors import engine_errors, resolve_model
 from pagedserve.server.protocol import (
     UNSUPPORTED_FIELDS,
     OpenAIBaseModel,
@@ -126,7 +126,7 @@ async def _pooled(engine: AsyncLLM, request: EmbeddingRequest) -> tuple[list[Req
         OpenAIError: 400 (naming the field) for an input or ``dimensions`` the engine refuses, or a generate
             runner; 404 for another model; 429 when the queue is full; 503 when the engine is down.
     """
-    check_model(request.model, engine.model_name)
+    resolve_model(request.model, engine)  # a pooling server serves no adapters: any other name is a 404
     check_fields(request, request.unsupported_fields)
     params = PoolingParams(dimensions=request.dimensions)
     prompts = request.prompts()

@@ -23,8 +23,9 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedserve.engine.async_llm import QueueFullError, StreamBacklogError
+from pagedserve.engine.async_llm import AsyncLLM, QueueFullError, StreamBacklogError
 from pagedserve.engine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from pagedserve.engine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +144,17 @@ def model_not_found(requested: str, served: str) -> OpenAIError:
                        f"serves `{served}`.", param="model", code="model_not_found")
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """Accept the served model's name, or no name at all.
+def resolve_model(requested: str | None, engine: AsyncLLM) -> LoRARequest | None:
+    """The adapter a request's ``model`` names (``--enable-lora``), or None for the served model's name or no name.
 
     Raises:
         OpenAIError: 404 for any other name.
     """
-    if requested and requested != served:
-        raise model_not_found(requested, served)
+    if not requested or requested == engine.model_name:
+        return None
+    if engine.loras is not None and (lora := engine.loras.get(requested)) is not None:
+        return lora
+    raise model_not_found(requested, engine.model_name)
 
 
 def rename_field(error: OpenAIError, names: Iterable[tuple[re.Pattern[str], str]]) -> OpenAIError:

@@ -34,7 +34,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from pagedserve.engine.async_llm import AsyncLLM
 from pagedserve.server.chat import run_chat, tokenize_chat
-from pagedserve.server.errors import OpenAIError, bad_request, check_model, rename_field
+from pagedserve.server.errors import OpenAIError, bad_request, rename_field, resolve_model
 from pagedserve.server.messages_protocol import (
     ContentBlock,
     InputMessage,
@@ -220,7 +220,7 @@ async def create_message(request: MessagesRequest, engine: AsyncLLM,
         result = await run_chat(chat, engine, tool_call_parser)
     except OpenAIError as error:
         raise rename_field(error, _FIELD_NAMES) from error
-    message = Message(id=_message_id(), model=engine.model_name, content=[],
+    message = Message(id=_message_id(), model=request.model or engine.model_name, content=[],
                       usage=Usage(input_tokens=0, output_tokens=0))
     if not isinstance(result, ChatCompletionResponse):
         return EventSourceResponse(MessageStream(message, request.stop_sequences).events(result), sep="\n")
@@ -242,7 +242,7 @@ async def count_message_tokens(request: MessagesPrompt, engine: AsyncLLM,
             404 for an unknown model.
     """
     request.check()
-    check_model(request.model, engine.model_name)
+    resolve_model(request.model, engine)
     try:
         token_ids = await tokenize_chat(chat_request(request), engine, tool_call_parser)
     except OpenAIError as error:

@@ -761,11 +761,28 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=unix_time)
     owned_by: str = "pagedserve"
     max_model_len: int
+    root: str | None = None  # where it was loaded from (vLLM's)
+    parent: str | None = None  # an adapter's base model; None for the base model
 
 
 class ModelList(OpenAIBaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter``."""
+
+    lora_name: str = Field(max_length=256)
+    lora_path: str = Field(max_length=4096)
+    base_model_name: str | None = Field(default=None, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str = Field(max_length=256)
+    lora_int_id: int | None = None  # vLLM's; the name decides
 
 
 class TokenizeResponse(OpenAIBaseModel):

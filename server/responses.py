@@ -328,7 +328,7 @@ async def create_response(request: ResponsesRequest, engine: AsyncLLM, store: Re
                               "previous_response_not_found")
         history = previous.messages
     chat, conversation = chat_request(request, history)
-    response = new_response(request, engine.model_name)
+    response = new_response(request, request.model or engine.model_name)
     try:
         result = await run_chat(chat, engine, tool_call_parser)
     except OpenAIError as error:

@@ -283,7 +283,7 @@ def test_async_llm_fails_one_stream_and_completes_the_other(tiny_llama_folder, r
     async def main() -> None:
         core = make_core(tiny_llama_folder)
         processor = InputProcessor(core.config.model_config, tokenizer, core.config.cache_config, max_logprobs=20)
-        engine = AsyncLLM(InprocClient(core), processor, asyncio.get_running_loop())
+        engine = AsyncLLM(InprocClient(core), processor, None, asyncio.get_running_loop())
         good = asyncio.ensure_future(collect(engine, processor, "a", PROMPTS["a"], PARAMS["a"]))
         await asyncio.sleep(0)
         with pytest.raises(RequestFailedError, match="insert injected"):

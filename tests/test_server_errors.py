@@ -391,7 +391,7 @@ def test_queued_requests_count_as_waiting_before_the_engine_applies_them() -> No
     async def run() -> None:
         core = _GatedCore(max_waiting_requests=3)
         processor = InputProcessor(core.config.model_config, tokenizer, CacheConfig(64, 16), max_logprobs=20)
-        engine = AsyncLLM(InprocClient(core), processor, asyncio.get_running_loop())
+        engine = AsyncLLM(InprocClient(core), processor, None, asyncio.get_running_loop())
 
         async def until(condition: Callable[[], bool], what: str) -> None:
             deadline = time.monotonic() + 60

@@ -114,7 +114,7 @@ def greedy_verdict(comparisons: Sequence[dict[str, Any]], dtype: str) -> str:
 # ---------------------------------------------------------------------------------------------- runs
 
 
-def _reference_generate(folder: Path, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype,
+def reference_generate(folder: Path, prompts: list[list[int]], max_tokens: int, dtype: torch.dtype,
                         device: str) -> list[tuple[list[int], np.ndarray]]:
     """transformers' greedy outputs and ``[steps, vocab]`` raw logits per prompt, one prompt at a time."""
     from transformers import AutoModelForCausalLM
@@ -150,7 +150,7 @@ def _parity_run(ctx: CheckContext, sizes: GreedySizes, model_type: str, folder: 
     engine_out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     free_memory()
-    reference = _reference_generate(folder, prompts, sizes.max_tokens, DTYPES[dtype_name], ctx.device)
+    reference = reference_generate(folder, prompts, sizes.max_tokens, DTYPES[dtype_name], ctx.device)
     comparisons = [{"prompt_len": len(p), **compare_greedy(e, r, logits)}
                    for p, e, (r, logits) in zip(prompts, engine_out, reference, strict=True)]
     verdict = greedy_verdict(comparisons, dtype_name)

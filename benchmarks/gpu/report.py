@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity, tensor_parallel
+from benchmarks.gpu import attention_kernels, decode_throughput, greedy_parity, lora, tensor_parallel
 from benchmarks.gpu.markdown import fmt
 
 #: Section name -> its title and the Markdown of its data, in check order.
@@ -17,6 +17,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any]], list[str]]]] = {
     decode_throughput.THROUGHPUT: (decode_throughput.THROUGHPUT_TITLE, decode_throughput.throughput_markdown),
     decode_throughput.DECODE: (decode_throughput.DECODE_TITLE, decode_throughput.decode_markdown),
     tensor_parallel.NAME: (tensor_parallel.TITLE, tensor_parallel.markdown),
+    lora.NAME: (lora.TITLE, lora.markdown),
 }
 
 
@@ -25,6 +26,7 @@ def goals(sections: dict[str, dict[str, Any]]) -> list[str]:
     lines = greedy_parity.goals(sections.get(greedy_parity.NAME, {}))
     lines += decode_throughput.decode_goals(sections.get(decode_throughput.DECODE, {}))
     lines += tensor_parallel.goals(sections.get(tensor_parallel.NAME, {}))
+    lines += lora.goals(sections.get(lora.NAME, {}))
     return lines or ["No goal was measured in this run."]
 
 

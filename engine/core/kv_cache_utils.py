@@ -39,8 +39,9 @@ def hash_block_tokens(parent_hash: BlockHash, token_ids: Sequence[int],
 
 
 def hash_new_full_blocks(token_ids: Sequence[int], block_hashes: list[BlockHash],
-                         block_size: int) -> None:
-    """Append to ``block_hashes`` the hashes of blocks of ``token_ids`` that became full.
+                         block_size: int, extra_keys: tuple[str, ...] = ()) -> None:
+    """Append to ``block_hashes`` the hashes of blocks of ``token_ids`` that became full, each with
+    ``extra_keys`` (``hash_block_tokens``).
 
     Cost is proportional to the new blocks only, so it can run on every
     appended token.
@@ -48,4 +49,4 @@ def hash_new_full_blocks(token_ids: Sequence[int], block_hashes: list[BlockHash]
     num_full_blocks = len(token_ids) // block_size
     for i in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[i - 1] if i > 0 else ROOT_BLOCK_HASH
-        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size]))
+        block_hashes.append(hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))

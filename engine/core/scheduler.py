@@ -8,6 +8,11 @@ request cannot get blocks, the latest-arrived running request is preempted
 by recompute (its blocks are freed and it is recomputed later from its
 tokens), as in vLLM V1 and Kwon et al. 2023 (PagedAttention, arXiv:2309.06180).
 
+LoRA adapters: the running requests use at most ``SchedulerConfig.max_loras`` distinct adapters (the worker's
+slots); a waiting request of another adapter is skipped, keeping its place, until one of them is done. Behind it
+only base-model requests are admitted, so that the running adapters drain and it gets a slot (it would wait for
+ever behind a steady stream of their requests).
+
 Structured output: a constrained request waits in the queue, skipped but keeping its place, until
 its grammar has compiled (off the engine thread); after each step its manager advances the grammar by
 the new tokens, and a grammar that allows nothing more finishes the request.
@@ -239,9 +244,18 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
         kv = self.kv_cache_manager
-        skipped: list[Request] = []  # waiting for their grammar; they keep their place in the queue
+        skipped: list[Request] = []  # waiting for their grammar or an adapter slot; they keep their place
+        max_loras = self.config.max_loras
+        lora_ids = {r.lora_request.lora_int_id for r in self.running if r.lora_request} if max_loras else set()
+        waits_for_slot = False  # a request before this one waits for an adapter slot
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and max_loras and (waits_for_slot or (lora.lora_int_id not in lora_ids
+                                                                      and len(lora_ids) >= max_loras)):
+                waits_for_slot = True
+                skipped.append(self.waiting.popleft())
+                continue
             if request.sampling_params.structured_outputs is not None:
                 grammars = self.structured_output_manager
                 error = grammars.grammar_error(request.request_id)
@@ -259,6 +273,8 @@ class Scheduler:
             kv.record_prefix_cache_lookup(request.num_tokens, num_computed_tokens)
             self.waiting.popleft()
             self.running.append(request)
+            if lora is not None:
+                lora_ids.add(lora.lora_int_id)
             (plan.new_reqs if request.status == RequestStatus.WAITING else plan.resumed_reqs).append(request)
             request.status = RequestStatus.RUNNING
             # Starts at the prefix-cache hit; advanced by this step's tokens in _update_after_schedule.

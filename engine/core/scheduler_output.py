@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.request import Request
 from pagedserve.engine.sampling_params import SamplingParams
@@ -29,12 +30,14 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request's: the worker pools it instead of sampling
+    lora_request: LoRARequest | None = None  # its adapter; None = the base model
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> NewRequestData:
         return cls(req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=request.sampling_params, block_ids=block_ids,
-                   num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params)
+                   num_computed_tokens=request.num_computed_tokens, pooling_params=request.pooling_params,
+                   lora_request=request.lora_request)
 
 
 @dataclass

@@ -71,6 +71,8 @@ class AttentionBackend(ABC):
             ``cap * tanh(s / cap)`` before the mask and softmax; None for none.
     """
 
+    #: The name it is registered as (``register_backend``).
+    name: str = ""
     #: Device types (``torch.device.type``) the backend runs on.
     supported_devices: tuple[str, ...] = ()
     #: Whether a CUDA graph can capture ``forward``: it reads no host values, and the metadata
@@ -135,6 +137,7 @@ def register_backend(name: str) -> Callable[[type[AttentionBackend]], type[Atten
 
     def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
         _BACKENDS[name] = cls
+        cls.name = name
         return cls
 
     return wrap

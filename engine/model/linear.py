@@ -15,7 +15,9 @@ As in vLLM (``vllm/model_executor/layers/linear.py``), after Megatron-LM
 
 A column-parallel layer's output stays split: the row-parallel layer after it
 takes it as its input. The weight's storage and kernel belong to the layer's
-``LinearMethodBase``; parameters are uninitialised until loaded.
+``LinearMethodBase``; parameters are uninitialised until loaded. A layer served with LoRA
+adapters holds a ``LoRALayer`` (``pagedserve.engine.model.lora``), which adds the adapters'
+products to its output, before the row-parallel sum.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.model.linear_methods import LinearMethodBase
+from pagedserve.engine.model.lora import LoRALayer
 from pagedserve.engine.model.parallel import TensorParallel
 from pagedserve.engine.model.weights import ShardId, copy_shard, set_weight_loader
 
@@ -37,6 +40,7 @@ class LinearBase(nn.Module, ABC):
         input_size, output_size: the full layer's features, over all ranks.
         linear_method: creates and multiplies the weight.
         tp: the tensor-parallel group.
+        lora: the adapters' slots, set by the worker's ``LoRAManager`` when it serves adapters; else None.
     """
 
     def __init__(self, input_size: int, output_size: int, *, linear_method: LinearMethodBase,
@@ -44,6 +48,12 @@ class LinearBase(nn.Module, ABC):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.linear_method, self.tp = linear_method, tp
+        self.lora: LoRALayer | None = None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The weight's product with ``x``, plus the adapters' where they are served."""
+        out = self.linear_method.apply(self, x, bias)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
     def _create_weights(self, input_size_per_partition: int, output_partition_sizes: list[int],
                         bias_size: int | None) -> None:
@@ -95,7 +105,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., input_size]`` -> ``[..., output_size / tp.size]``, this rank's output columns."""
-        return self.linear_method.apply(self, x, self.bias)
+        return self._product(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -235,5 +245,5 @@ class RowParallelLinear(LinearBase):
         """``[..., input_size / tp.size]`` (this rank's input columns) -> ``[..., output_size]``, summed over ranks."""
         # The bias is part of the sum: added by one rank only.
         bias = self.bias if self.tp.rank == 0 else None
-        out = self.linear_method.apply(self, x, bias)
+        out = self._product(x, bias)
         return self.tp.all_reduce(out) if self.reduce_results else out

@@ -166,7 +166,7 @@ def _paged_attention_kernel(
              + offs_d[None, :] * stride_o_d, o.to(out.dtype.element_ty), mask=q_mask)
 
 
-def _dot_dtype(dtype: torch.dtype) -> tuple[object, str | None]:
+def dot_dtype(dtype: torch.dtype) -> tuple[object, str | None]:
     """Operand dtype and ``input_precision`` of ``tl.dot`` for inputs of ``dtype``.
 
     fp32 inputs use IEEE fp32 products: Triton's default for fp32, TF32, would
@@ -216,7 +216,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
     min_rows = 16 if metadata.max_query_len == 1 else 64
     block_m = max(min_rows, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    dot_dtype, dot_precision = _dot_dtype(query.dtype)
+    operand_dtype, dot_precision = dot_dtype(query.dtype)
     grid = (metadata.num_actual_tokens // block_q + metadata.num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
@@ -224,7 +224,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tens
         *query.stride(), *out.stride(), *key_cache.stride(), metadata.block_table.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_PAD=_head_pad(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=_TILE_N,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, SOFTCAP=logit_softcap is not None,
+        DOT_DTYPE=operand_dtype, DOT_PRECISION=dot_precision, SOFTCAP=logit_softcap is not None,
     )
 
 

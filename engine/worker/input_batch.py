@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.pooling_params import PoolingParams
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.worker.block_table import BlockTable
@@ -37,6 +38,7 @@ class CachedRequestState:
     # A pooling request's parameters, and what its prompt's chunks have pooled so far (``Pooler``).
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | None = None
+    lora_request: LoRARequest | None = None  # its adapter; None = the base model
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from pagedserve.engine.config import EngineConfig
 from pagedserve.engine.core.scheduler_output import CachedRequestData, GrammarOutput, NewRequestData, SchedulerOutput
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.model.attention import AttentionMetadata
 from pagedserve.engine.model.cpu_threads import serial_elementwise, small_step_threads, threads_at_most
 from pagedserve.engine.model.registry import CausalLM
@@ -31,6 +32,7 @@ from pagedserve.engine.profiling import region
 from pagedserve.engine.worker.cuda_graph import CudaGraphRunner, capture_sizes
 from pagedserve.engine.worker.host_resources import available_cores
 from pagedserve.engine.worker.input_batch import CachedRequestState, InputBatch
+from pagedserve.engine.worker.lora_manager import LoRAManager
 from pagedserve.engine.worker.pooler import Pooler
 from pagedserve.engine.worker.rejection_sampler import RejectionSampler
 from pagedserve.engine.worker.sampler import Sampler, compute_logprobs_tensors
@@ -87,10 +89,11 @@ class ModelRunner:
         model: a model from ``pagedserve.engine.model.loader.load_model``.
         kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
         device: where the model runs.
+        lora: the adapter slots attached to ``model`` (``--enable-lora``), else None.
     """
 
     def __init__(self, config: EngineConfig, model: CausalLM, kv_caches: list[torch.Tensor],
-                 device: torch.device) -> None:
+                 device: torch.device, lora: LoRAManager | None = None) -> None:
         scheduler_config = config.scheduler_config
         max_num_reqs, max_model_len = scheduler_config.max_num_seqs, scheduler_config.max_model_len
         block_size = config.cache_config.block_size
@@ -114,6 +117,8 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # --runner pooling: every request is pooled once its prompt has run; none samples.
         self.pooler = Pooler(config.pooler_config) if config.pooler_config is not None else None
+        # --enable-lora: adapter slots in the targeted layers, filled per step.
+        self.lora = lora
         self.arange_np = np.arange(max(scheduler_config.max_num_batched_tokens, max_num_reqs) + 1, dtype=np.int64)
         # What execute_model leaves for sample_tokens.
         self._pending: _PendingSample | None = None
@@ -128,10 +133,11 @@ class ModelRunner:
                 logger.info("CUDA graphs are off: %s routes tokens to experts by their values (data-dependent "
                             "shapes a graph cannot replay)", type(model).__name__)
             elif model.attn_backend.supports_cuda_graphs:
+                if self.lora is not None:  # the graphs run the adapters' Triton kernels on per-token segments
+                    self.lora.mapping.graph_rows = torch.zeros(max_num_reqs, 3, dtype=torch.int32, device=device)
                 self.cuda_graphs = CudaGraphRunner(
-                    lambda ids, pos, md: self.model(ids, pos, self.kv_caches, model.attn_backend.build_metadata(md)),
-                    capture_sizes(max_num_reqs), self.input_batch.block_table.block_table.shape[1], max_model_len,
-                    device)
+                    self._graph_forward, capture_sizes(max_num_reqs), self.input_batch.block_table.block_table.shape[1],
+                    max_model_len, device)
                 self.cuda_graphs.capture()
             else:
                 logger.info("CUDA graphs are off: the %s attention backend cannot be captured",
@@ -185,7 +191,8 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params, generator,
-                                   list(new.block_ids), new.num_computed_tokens, pooling_params=new.pooling_params)
+                                   list(new.block_ids), new.num_computed_tokens, pooling_params=new.pooling_params,
+                                   lora_request=new.lora_request)
         self.requests[new.req_id] = state
         return state
 
@@ -252,6 +259,24 @@ class ModelRunner:
         if len(bad_rows):
             batch.condense()
         return bool(len(bad_rows))
+
+    def _row_adapters(self) -> list[LoRARequest | None]:
+        """Each row's ``LoRARequest`` (None: the base model)."""
+        batch = self.input_batch
+        return [batch.states[row].lora_request for row in range(batch.num_reqs)]
+
+    def _fail_unservable_adapters(self) -> bool:
+        """Fail the rows whose adapter cannot be read or fit (its folder changed since it was loaded); returns
+        whether any did (the batch is condensed then)."""
+        batch, loras = self.input_batch, self._row_adapters()
+        errors = self.lora.failing(loras)
+        bad = [(batch.req_ids[row], errors[lora.lora_int_id]) for row, lora in enumerate(loras)
+               if lora is not None and lora.lora_int_id in errors]
+        for req_id, message in bad:
+            self._fail_request(req_id, message)
+        if bad:
+            batch.condense()
+        return bool(bad)
 
     def _prepare_inputs(self, num_scheduled: np.ndarray) -> StepInputs:
         """The step's flat inputs from the persistent batch, ``num_scheduled`` tokens per row."""
@@ -322,10 +347,14 @@ class ModelRunner:
             num_scheduled = self._num_scheduled_tokens(so)
             if self._fail_inconsistent_rows(num_scheduled):
                 num_scheduled = self._num_scheduled_tokens(so)
+            if self.lora is not None and self._fail_unservable_adapters():
+                num_scheduled = self._num_scheduled_tokens(so)
             if batch.num_reqs == 0:  # every scheduled request failed
                 return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                          failed_req_ids=self._failed)
             inputs = self._prepare_inputs(num_scheduled)
+            if self.lora is not None:
+                self.lora.set_step(self._row_adapters(), num_scheduled)
         with region("model_runner.forward"), self._threads_for(len(inputs.input_ids)):
             hidden_states = self._forward(inputs)
 
@@ -478,6 +507,13 @@ class ModelRunner:
         small = num_tokens <= RESERVED_CORES_MAX_TOKENS
         return threads_at_most(self.small_step_threads) if small else contextlib.nullcontext()
 
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata: AttentionMetadata) -> torch.Tensor:
+        """The forward a CUDA graph captures: with adapters, their kernels read the static per-token rows."""
+        if self.lora is not None:
+            self.lora.mapping.capture_rows(len(input_ids))
+        return self.model(input_ids, positions, self.kv_caches, self.model.attn_backend.build_metadata(metadata))
+
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """``[T, hidden_size]``: for decode-only steps a replayed CUDA graph, or the model's fused CPU path
         (``CausalLM.decode_forward``); else eager, layer by layer."""
@@ -487,11 +523,16 @@ class ModelRunner:
                                                  common.seq_lens, common.block_table)
             if hidden_states is not None:
                 return hidden_states
+        if self.lora is not None and self.lora.mapping.active:
+            return self._forward_eager(inputs)  # the fused CPU decode was built without adapters
         if (self.device.type == "cpu" and common.max_query_len == 1
                 and (hidden_states := self.model.decode_forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                                                 common)) is not None):
             return hidden_states
-        metadata = self.model.attn_backend.build_metadata(common)
+        return self._forward_eager(inputs)
+
+    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        metadata = self.model.attn_backend.build_metadata(inputs.attn_metadata)
         # See pagedserve.engine.model.cpu_threads: small steps' elementwise ops are not worth a barrier.
         serial = self.device.type == "cpu" and len(inputs.input_ids) <= SERIAL_ELEMENTWISE_MAX_TOKENS
         with serial_elementwise(serial):

@@ -36,6 +36,7 @@ from pagedserve.engine.worker.kv_cache import (
     default_cpu_kv_cache_bytes,
     kv_cache_bytes_per_block,
 )
+from pagedserve.engine.worker.lora_manager import LoRAManager
 from pagedserve.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Worker:
         self.attention_backend: str | None = None
         self.model: CausalLM | None = None
         self.model_runner: ModelRunner | None = None
+        self.lora: LoRAManager | None = None  # --enable-lora: the adapter slots, attached to the model
 
     def init_device(self) -> None:
         """Pick the device, the dtype and the attention backend; on CPU, size torch's threads to the cgroup
@@ -118,6 +120,9 @@ class Worker:
         self.model = load_model(model_weights_source(model_config), model_config.hf_config, self.dtype, self.device,
                                 attn_backend=self.attention_backend, block_size=self.config.cache_config.block_size,
                                 tp=self.tp, quantization=model_config.quantization)
+        # The adapter slots are allocated now, before the KV cache is sized from what memory is left.
+        self.lora = None if self.config.lora_config is None else LoRAManager(
+            self.model, self.config.lora_config, self.dtype, self.device, triton=self.attention_backend == "triton")
 
     def kv_cache_bytes_per_block(self) -> int:
         """Bytes one KV block takes across all layers (keys and values)."""
@@ -147,7 +152,7 @@ class Worker:
         model = self.model
         kv_caches = allocate_kv_caches(model.num_layers, num_blocks, self.config.cache_config.block_size,
                                        model.num_kv_heads, model.head_dim, self.dtype, self.device)
-        self.model_runner = ModelRunner(self.config, model, kv_caches, self.device)
+        self.model_runner = ModelRunner(self.config, model, kv_caches, self.device, self.lora)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.model_runner.execute_model(scheduler_output)

@@ -31,6 +31,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedserve.engine.reasoning import partial_suffix
 from pagedserve.server.tool_calling.base import ParsedDelta, ToolCallDelta, ToolParser, add_to_system_message
 from pagedserve.server.tool_calling.json_text import ValueEnd, add_arguments, json_call_rules, json_option, json_string
 from pagedserve.server.tool_calling.plan import ToolPlan
@@ -95,7 +96,7 @@ class HermesToolParser(ToolParser):
         if not self._in_call:
             start = self._buffer.find(CALL_START)
             if start < 0:
-                keep = _partial_suffix(self._buffer, CALL_START)
+                keep = partial_suffix(self._buffer, CALL_START)
                 delta.content += self._content(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return False
@@ -207,11 +208,3 @@ def _markup(function: Mapping[str, Any]) -> str:
     """One call as the model writes it (``function``: ``{"name", "arguments"}``, arguments a dict or text)."""
     call = json.dumps({"name": function["name"], "arguments": function["arguments"]}, ensure_ascii=False)
     return f"{CALL_START}\n{call}\n{CALL_END}"
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that is the start of ``marker`` (0 when none)."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
