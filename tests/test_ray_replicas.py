@@ -118,6 +118,9 @@ def test_completions_stream_ends_with_done_and_errors_keep_their_status(replicas
     bad = httpx.post(f"{replicas}/v1/completions", json={"prompt": "x", "temperature": -1}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
     assert httpx.get(f"{replicas}/v1/models", timeout=60).json()["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    # It would reach one replica, and requests to the others would not find the adapter.
+    load = httpx.post(f"{replicas}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}, timeout=60)
+    assert load.status_code == 400 and "--num-replicas" in load.json()["error"]["message"]
 
 
 def test_a_stored_response_is_read_back_from_the_replica_that_stored_it(replicas: str) -> None:

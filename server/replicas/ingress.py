@@ -26,7 +26,7 @@ from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedserve.server.errors import BodySizeLimitMiddleware, OpenAIError
+from pagedserve.server.errors import BodySizeLimitMiddleware, OpenAIError, bad_request
 from pagedserve.server.replicas.forwarding import REPLICA_HEADER, ForwardedRequest, ResponseStart, app_path
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 MAX_RESPONSE_OWNERS = 100_000
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9a-f]+)"')
 _RESPONSES_PATH = "/v1/responses"
+#: Routes that change one replica's state where every replica's should change: refused (give adapters at start).
+_ONE_REPLICA_ONLY = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 class ResponseOwners:
@@ -134,6 +136,11 @@ class Ingress:
         if message["type"] == "http.disconnect":
             return
         body = message.get("body", b"")
+        if app_path(scope) in _ONE_REPLICA_ONLY:
+            error = bad_request("adapters cannot be loaded or unloaded at run time with --num-replicas (the request "
+                                "would reach one replica): give them at start with --lora-modules")
+            await error.response()(scope, receive, send)
+            return
         replies = self._engine.forward.remote(ForwardedRequest.from_scope(scope, body, self._owners.owner(scope, body)))
         try:
             await self._respond(scope, receive, send, replies)
