@@ -3,10 +3,11 @@
 from typing import Any
 
 from pagedserve.engine.config import EngineArgs
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

@@ -150,8 +150,8 @@ class EngineArgs:
         False, "Serve LoRA adapters beside the base model (vLLM's --enable-lora): a request names one as its model; "
         "requests of different adapters and of the base model share each step (docs/lora.md)")
     lora_modules: list[str] = setting(
-        [], "Adapters to serve from the start, each name=path to a PEFT folder, or vLLM's JSON form "
-        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}; needs enable_lora")
+        [], "Adapters to serve from the start, each a string: name=path to a PEFT folder, or vLLM's JSON form "
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (quoted in YAML too); needs enable_lora")
     max_loras: int = setting(1, "Most distinct adapters in one step (the worker's adapter slots)", "adapters")
     max_lora_rank: int = setting(16, "Largest adapter rank served (the slots' size)")
     max_cpu_loras: int | None = setting(

@@ -12,6 +12,7 @@ the HTTP server ``pagedserve.server``.
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.sampling_params import SamplingParams
 
 try:
@@ -19,7 +20,7 @@ try:
 except PackageNotFoundError:  # a source checkout that was never pip-installed
     __version__ = "0.0.0+source"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

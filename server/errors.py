@@ -138,10 +138,13 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 # --------------------------------------------------------------------------- checks shared by the endpoints
 
 
-def model_not_found(requested: str, served: str) -> OpenAIError:
-    """OpenAI's 404 ``model_not_found``, naming the model this server serves."""
+def model_not_found(requested: str, engine: AsyncLLM) -> OpenAIError:
+    """OpenAI's 404 ``model_not_found``, naming the model this server serves and its adapters (the first few)."""
+    adapters = [lora.lora_name for lora in engine.loras or ()]
+    also = "" if not adapters else (f" and the LoRA adapters {', '.join(f'`{shorten(name)}`' for name in adapters[:8])}"
+                                    f"{f' and {len(adapters) - 8} more (GET /v1/models)' if len(adapters) > 8 else ''}")
     return OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{shorten(requested)}` does not exist; this server "
-                       f"serves `{served}`.", param="model", code="model_not_found")
+                       f"serves `{engine.model_name}`{also}.", param="model", code="model_not_found")
 
 
 def resolve_model(requested: str | None, engine: AsyncLLM) -> LoRARequest | None:
@@ -154,7 +157,7 @@ def resolve_model(requested: str | None, engine: AsyncLLM) -> LoRARequest | None
         return None
     if engine.loras is not None and (lora := engine.loras.get(requested)) is not None:
         return lora
-    raise model_not_found(requested, engine.model_name)
+    raise model_not_found(requested, engine)
 
 
 def rename_field(error: OpenAIError, names: Iterable[tuple[re.Pattern[str], str]]) -> OpenAIError:

@@ -35,7 +35,7 @@ def model_card(model_id: str, engine: AsyncLLM) -> ModelCard:
     for card in model_cards(engine):
         if card.id == model_id:
             return card
-    raise model_not_found(model_id, engine.model_name)
+    raise model_not_found(model_id, engine)
 
 
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, engine: AsyncLLM) -> str:

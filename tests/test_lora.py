@@ -19,12 +19,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.tiny_models import random_lora_adapter, tiny_hf_model
-from pagedserve.engine import LLM, SamplingParams
+from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.engine.config import CacheConfig, EngineArgs, SchedulerConfig
 from pagedserve.engine.core.scheduler import Scheduler
 from pagedserve.engine.lora.peft import AdapterError, check_adapter
 from pagedserve.engine.lora.registry import LoRAModulePath
-from pagedserve.engine.lora.request import LoRARequest
 from pagedserve.engine.model.loader import gguf_cache_folder, resolve_model_path
 from pagedserve.engine.model.lora import LoRALayer, LoRAMapping
 from pagedserve.engine.request import Request, RequestStatus
@@ -317,7 +316,8 @@ def test_the_server_routes_model_names_to_adapters(lora_server: Served, tiny: di
     prompts = tiny["prompts"]
     assert _complete(client, "a", prompts) == texts["a"]
     assert _complete(client, base_name, prompts) == texts["base"]
-    with pytest.raises(openai.NotFoundError, match="`b` does not exist"):
+    with pytest.raises(openai.NotFoundError, match="`b` does not exist; this server serves `.*` and the LoRA adapters"
+                                                   " `a`"):
         _complete(client, "b", prompts[:1])
 
 

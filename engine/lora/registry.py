@@ -104,10 +104,11 @@ class LoRARegistry:
     def _add(self, name: str, path: str, base_model_name: str | None) -> LoRARequest:
         if not name:
             raise AdapterError("lora_name must not be empty", "lora_name")
-        if name == self.base_model_name or name in self._by_name:
-            raise AdapterError(f"the name {name[:256]!r} is already served "
-                               f"({'the base model' if name == self.base_model_name else 'an adapter'}): unload it "
-                               "first or pick another", "lora_name")
+        if name == self.base_model_name:
+            raise AdapterError(f"the name {name[:256]!r} is the base model's: pick another", "lora_name")
+        if name in self._by_name:
+            raise AdapterError(f"the name {name[:256]!r} is already served by an adapter: pick another (or unload "
+                               "that one first)", "lora_name")
         if base_model_name is not None and base_model_name != self.base_model_name:
             raise AdapterError(f"the adapter's base model {base_model_name[:256]!r} is not the served model "
                                f"{self.base_model_name!r}", "base_model_name")

@@ -128,8 +128,11 @@ class LoRAManager:
             name = f"{prefix}.{ours}"
             if (layer := self.layers.get(name)) is None:
                 raise ValueError(f"{module} is not a layer this model serves adapters on")
-            part = _rank_slices(layer, shard, a, b.float() * config.scaling)  # scaled before the cast
-            layer.lora.check_part(*part)
+            try:
+                part = _rank_slices(layer, shard, a, b.float() * config.scaling)  # scaled before the cast
+                layer.lora.check_part(*part)
+            except (ValueError, RuntimeError) as err:
+                raise ValueError(f"{lora.lora_path}: {module}: {err}") from err
             weights.setdefault(name, []).append(part)
         self._read[lora.lora_int_id] = weights
         while len(self._read) > self.config.max_cpu_loras:
