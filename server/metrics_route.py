@@ -39,8 +39,9 @@ async def engine_stats(app: FastAPI, engine: AsyncLLM, log_stats_interval_s: flo
     """While inside: ``engine``'s stats feed ``app``'s /metrics and, when ``log_stats_interval_s`` > 0
     (seconds), a stats log line every that many seconds while the engine is busy."""
     cache_config = engine.config.cache_config  # num_blocks is measured by now
+    lora_config = engine.config.lora_config
     app.state.metrics = PrometheusStatLogger(engine.model_name, engine.max_model_len, cache_config.block_size,
-                                             cache_config.num_blocks)
+                                             cache_config.num_blocks, lora_config and lora_config.max_loras)
     stat_loggers: list[StatLogger] = [app.state.metrics]
     log_task = None
     if log_stats_interval_s > 0:

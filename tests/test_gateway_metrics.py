@@ -31,7 +31,7 @@ from tests.test_server import wait_until_idle
 #: since v1.1; llm-d's router keeps the v1.3+ names for pods without an engine-type label.
 PICKER_DEFAULTS = {"vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                    "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"}
-#: The LoRA metric: left out, as vLLM leaves it out when no adapter can be loaded (pagedserve serves none).
+#: The LoRA metric (--lora-info-metric): exported with --enable-lora only, as vLLM does.
 LORA_INFO = "vllm:lora_requests_info"
 
 
@@ -44,14 +44,25 @@ def gauges(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 def assert_aliases_equal_their_gauges(page: dict[str, list[tuple[dict[str, str], float]]]) -> None:
     for ours, aliases in GATEWAY_ALIASES.items():
-        for alias in aliases:
+        for alias in aliases if f"pagedserve:{ours}" in page else ():
             assert page[alias] == page[f"pagedserve:{ours}"], (alias, page[alias], page[f"pagedserve:{ours}"])
 
 
-def test_aliases_are_the_picker_defaults_and_lora_is_left_out() -> None:
-    assert {alias for aliases in GATEWAY_ALIASES.values() for alias in aliases} == PICKER_DEFAULTS
+def test_aliases_are_the_picker_defaults_and_lora_is_left_out_without_adapters() -> None:
+    assert {alias for aliases in GATEWAY_ALIASES.values() for alias in aliases} == PICKER_DEFAULTS | {LORA_INFO}
     page = gauges(generate_latest(PrometheusStatLogger("m", 2048, 16, 100).registry).decode())
     assert PICKER_DEFAULTS <= set(page) and LORA_INFO not in page
+
+
+def test_the_lora_info_gauge_names_the_adapters_of_the_latest_step_in_one_series() -> None:
+    logger = PrometheusStatLogger("m", 2048, 16, 100, max_loras=4)
+    for running, waiting in [({"sql": 2, "chat": 1}, {"law": 1}), ({"law": 1}, {})]:
+        logger.record(scheduler_stats(running_lora_adapters=running, waiting_lora_adapters=waiting), IterationStats())
+        page = gauges(generate_latest(logger.registry).decode())
+        assert_aliases_equal_their_gauges(page)
+        [(labels, value)] = page[LORA_INFO]
+        assert labels == {"model_name": "m", "max_lora": "4", "running_lora_adapters": ",".join(running),
+                          "waiting_lora_adapters": ",".join(waiting)} and value > 1.7e9  # a Unix time
 
 
 def test_each_record_sets_the_aliases_to_the_same_values_and_labels() -> None:

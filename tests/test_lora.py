@@ -319,6 +319,11 @@ def test_the_server_routes_model_names_to_adapters(lora_server: Served, tiny: di
     with pytest.raises(openai.NotFoundError, match="`b` does not exist; this server serves `.*` and the LoRA adapters"
                                                    " `a`"):
         _complete(client, "b", prompts[:1])
+    # vLLM's LoRA info gauge, as gateways read it: the slots and the adapters of running and waiting requests.
+    metrics = httpx.get(f"{lora_server.url}/metrics", timeout=30).text
+    for name in ("pagedserve:lora_requests_info", "vllm:lora_requests_info"):
+        assert f'{name}{{max_lora="2",model_name="{base_name}",running_lora_adapters="",waiting_lora_adapters=""}}' \
+            in metrics, metrics
 
 
 def test_an_adapter_whose_folder_changed_fails_its_requests_alone(lora_server: Served, tiny: dict[str, Any],

@@ -58,7 +58,7 @@ def delta(before: dict, after: dict, name: str, **labels: str) -> float:
     return value(after, name, **labels) - value(before, name, **labels)
 
 
-def scheduler_stats(**counts: int) -> SchedulerStats:
+def scheduler_stats(**counts: object) -> SchedulerStats:
     fields = {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0,
               "prefix_cache_hits": 0, "num_preemptions": 0, "num_scheduled_tokens": 0}
     return SchedulerStats(**(fields | counts))

@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from pagedserve.engine.config import CacheConfig, SchedulerConfig
 from pagedserve.engine.core.draft_proposer import DraftProposer
@@ -71,6 +72,8 @@ class SchedulerStats:
     num_preemptions: int
     num_scheduled_tokens: int      # tokens, summed over every schedule()
     spec_decoding: SpecDecodingStats | None = None  # None when the engine has no drafter
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)  # adapter name -> requests
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -174,7 +177,9 @@ class Scheduler:
                               kv_cache_usage=kv.usage, prefix_cache_queries=kv.prefix_cache_queries,
                               prefix_cache_hits=kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
                               num_scheduled_tokens=self.num_scheduled_tokens,
-                              spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats else None)
+                              spec_decoding=self.spec_decoding_stats.copy() if self.spec_decoding_stats else None,
+                              running_lora_adapters=_adapters(self.running),
+                              waiting_lora_adapters=_adapters(self.waiting))
 
     # ------------------------------------------------------------------ schedule
 
@@ -521,3 +526,8 @@ class Scheduler:
         self.draft_gate.remove(request.request_id)
         if request.sampling_params.structured_outputs is not None:
             self.structured_output_manager.remove_request(request.request_id)
+
+
+def _adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of ``requests`` run with it (``SchedulerStats``' LoRA counts)."""
+    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

@@ -15,6 +15,7 @@ vLLM's names too (``SPEC_DECODE_ALIASES``), for dashboards made for vLLM's.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -39,13 +40,13 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 #: --cache-info-metric. The KV cache usage has two, because the picker's default followed vLLM's rename
 #: (vLLM PRs 18354, 29330: gpu_cache_usage_perc deprecated, then removed): gpu_cache_usage_perc up to GIE v1.2,
 #: kv_cache_usage_perc from v1.3; with both, pickers of either age read it without a flag.
-#: vllm:lora_requests_info (--lora-info-metric) is left out: pagedserve serves no LoRA adapters, and
-#: vLLM too omits it when LoRA is off, which pickers tolerate (docs/kubernetes.md, "Metrics for gateways").
+#: lora_requests_info (--lora-info-metric) is exported with --enable-lora only, as vLLM does.
 GATEWAY_ALIASES: dict[str, tuple[str, ...]] = {
     "num_requests_waiting": ("vllm:num_requests_waiting",),
     "num_requests_running": ("vllm:num_requests_running",),
     "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
     "cache_config_info": ("vllm:cache_config_info",),
+    "lora_requests_info": ("vllm:lora_requests_info",),
 }
 
 #: Our speculative decoding counters -> vLLM's names for them (vLLM's ``SpecDecodingProm``): acceptance rate =
@@ -95,10 +96,11 @@ class PrometheusStatLogger:
         block_size: tokens per KV cache block, and
         num_gpu_blocks: blocks in the KV cache: the labels of ``cache_config_info`` (vLLM's label names,
             which the endpoint picker's prefix-cache scorer reads), left out when either is None.
+        max_loras: with ``--enable-lora``, its adapter slots: ``lora_requests_info`` is exported; None: not.
     """
 
     def __init__(self, model_name: str, max_model_len: int, block_size: int | None = None,
-                 num_gpu_blocks: int | None = None) -> None:
+                 num_gpu_blocks: int | None = None, max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry()
         token_buckets = buckets_1_2_5(max_model_len)
 
@@ -125,6 +127,16 @@ class PrometheusStatLogger:
             # An info gauge (always 1) as vLLM has it; the value is in the labels.
             gauge("cache_config_info", "KV cache configuration (in the labels).", block_size=str(block_size),
                   num_gpu_blocks=str(num_gpu_blocks)).set(1)
+        # vLLM's LoRA info gauge, which gateways' LoRA affinity reads: the time of the latest step, the adapters
+        # with running and with waiting requests (comma-separated names) and the slots in the labels. One series:
+        # the previous one is removed when the adapters change.
+        self._lora_info = None if max_loras is None else [
+            Gauge(full_name, "LoRA adapters of the running and waiting requests (in the labels); the value is the "
+                  "time of the latest step.", ["model_name", "max_lora", "waiting_lora_adapters",
+                                               "running_lora_adapters"], registry=self.registry)
+            for full_name in (PREFIX + "lora_requests_info", *GATEWAY_ALIASES["lora_requests_info"])]
+        self._lora_labels: tuple[str, ...] | None = None
+        self._max_loras = max_loras
         self.prompt_tokens = metric(Counter, "prompt_tokens_total",
                                     "Prompt tokens of requests that produced their first token.")
         self.generation_tokens = metric(Counter, "generation_tokens_total", "Output tokens generated.")
@@ -169,6 +181,8 @@ class PrometheusStatLogger:
         self.num_requests_running.set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
         self.kv_cache_usage_perc.set(scheduler_stats.kv_cache_usage)
+        if self._lora_info is not None:
+            self._record_loras(scheduler_stats)
         stats = iteration_stats
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)
@@ -190,6 +204,16 @@ class PrometheusStatLogger:
             self.request_generation_tokens.observe(finished.num_generation_tokens)
         if stats.spec_decoding is not None:
             self._record_spec_decoding(stats.spec_decoding)
+
+    def _record_loras(self, stats: SchedulerStats) -> None:
+        labels = (self._model_name, str(self._max_loras), ",".join(stats.waiting_lora_adapters),
+                  ",".join(stats.running_lora_adapters))
+        now = time.time()
+        for family in self._lora_info:
+            if self._lora_labels is not None and self._lora_labels != labels:
+                family.remove(*self._lora_labels)
+            family.labels(*labels).set(now)
+        self._lora_labels = labels
 
     def _record_spec_decoding(self, spec: SpecDecodingStats) -> None:
         self.spec_decode_num_drafts.inc(spec.num_drafts)
