@@ -198,7 +198,7 @@ def test_the_triton_kernel_equals_the_torch_products(dtype: torch.dtype) -> None
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(results[True], results[False], rtol=tolerance, atol=tolerance * 10)
     # A CUDA graph's decode step: one static row per token, padded to the captured size, rewritten each step.
-    mapping.graph_rows = torch.zeros(8, 3, dtype=torch.int32)
+    mapping.allocate_graph_rows(8, torch.device("cpu"))
     decode_slots = np.array([1, -1, 0, 2, 1])
     mapping.update(decode_slots, torch.device("cpu"), segments=True)
     assert mapping.graph_rows.tolist() == [[0, 1, 1], [1, 0, 0], [2, 1, 0], [3, 1, 2], [4, 1, 1], [5, 0, 0],

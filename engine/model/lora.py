@@ -34,15 +34,26 @@ class LoRAMapping:
         segments: for the Triton kernel (else None): ``[S, 3]`` int32, ``(first token, tokens, slot)`` per run of
             consecutive tokens of one slot.
         max_segment_len: the longest segment's tokens.
-        graph_rows: with CUDA graphs, the segments their decode steps read: ``[max batch, 3]`` int32, a static
-            buffer with one row per token (``(t, 1, slot)``, or ``(t, 0, 0)`` for the base model and padding),
-            rewritten in place before each replay (``update``).
+        graph_rows: with CUDA graphs (``allocate_graph_rows``), the segments their decode steps read:
+            ``[max batch, 3]`` int32, a static buffer with one row per token (``(t, 1, slot)``, or ``(t, 0, 0)``
+            for the base model and padding), rewritten in place before each replay (``update``).
     """
 
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     segments: torch.Tensor | None = None
     max_segment_len: int = 0
     graph_rows: torch.Tensor | None = None
+    # On CUDA the rows are written into pinned memory and copied without waiting for the work queued before (a
+    # copy from pageable memory would, and undo async scheduling's overlap); the event marks the last copy out
+    # of it, which must be done before it is written again.
+    _host_rows: torch.Tensor | None = field(default=None, repr=False)
+    _rows_copied: torch.cuda.Event | None = field(default=None, repr=False)
+
+    def allocate_graph_rows(self, max_batch_size: int, device: torch.device) -> None:
+        """Allocate ``graph_rows`` for decode batches of up to ``max_batch_size`` tokens on ``device``."""
+        self.graph_rows = torch.zeros(max_batch_size, 3, dtype=torch.int32, device=device)
+        if device.type == "cuda":
+            self._host_rows = torch.zeros(max_batch_size, 3, dtype=torch.int32, pin_memory=True)
 
     @property
     def active(self) -> bool:
@@ -65,11 +76,23 @@ class LoRAMapping:
             self.segments = torch.from_numpy(runs).to(device, non_blocking=True)
             self.max_segment_len = int(lengths[keep].max())
         if self.graph_rows is not None and len(token_slots) <= len(self.graph_rows):
-            rows = np.zeros((len(self.graph_rows), 3), dtype=np.int32)
-            rows[:, 0] = np.arange(len(rows))
-            rows[:len(token_slots), 1] = token_slots >= 0
-            rows[:len(token_slots), 2] = np.maximum(token_slots, 0)
-            self.graph_rows.copy_(torch.from_numpy(rows))
+            self._write_graph_rows(token_slots)
+
+    def _write_graph_rows(self, token_slots: np.ndarray) -> None:
+        host = self._host_rows
+        if host is None:
+            host = torch.empty_like(self.graph_rows)  # on the CPU (tests): a plain copy
+        elif self._rows_copied is not None:
+            self._rows_copied.synchronize()  # the previous step's copy has left the buffer (long done, as a rule)
+        rows = host.numpy()
+        rows[:, 0] = np.arange(len(rows))
+        rows[:, 1:] = 0
+        rows[:len(token_slots), 1] = token_slots >= 0
+        rows[:len(token_slots), 2] = np.maximum(token_slots, 0)
+        self.graph_rows.copy_(host, non_blocking=self._host_rows is not None)
+        if self._host_rows is not None:
+            self._rows_copied = torch.cuda.Event()
+            self._rows_copied.record()
 
     def capture_rows(self, batch_size: int) -> None:
         """Point the layers at the first ``batch_size`` graph rows, one token each, while a graph is captured."""

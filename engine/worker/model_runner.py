@@ -134,7 +134,7 @@ class ModelRunner:
                             "shapes a graph cannot replay)", type(model).__name__)
             elif model.attn_backend.supports_cuda_graphs:
                 if self.lora is not None:  # the graphs run the adapters' Triton kernels on per-token segments
-                    self.lora.mapping.graph_rows = torch.zeros(max_num_reqs, 3, dtype=torch.int32, device=device)
+                    self.lora.mapping.allocate_graph_rows(max_num_reqs, device)
                 self.cuda_graphs = CudaGraphRunner(
                     self._graph_forward, capture_sizes(max_num_reqs), self.input_batch.block_table.block_table.shape[1],
                     max_model_len, device)
