@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from benchmarks.step_metadata import build_metadata, step_positions
 from benchmarks.tiny_models import TINY_ARCHITECTURES, tiny_hf_model
 from pagedserve.engine.chat_template import chat_prompt_token_ids
+from pagedserve.engine.model import loader as loader_module
 from pagedserve.engine.model.linear import ColumnParallelLinear
 from pagedserve.engine.model.linear_methods import (
     EXACT_ROWS,
@@ -303,5 +304,7 @@ def test_gguf_cache_is_keyed_by_the_transformers_version_too(monkeypatch):
     digest = "ab" * 32
     name = gguf_folder_name(digest)
     assert name.startswith(digest[:32]) and transformers.__version__ in name
-    monkeypatch.setattr(transformers, "__version__", "99.0.0")
+    # The loader's own module object: importing peft (tests/test_lora.py, collected before this file) puts a new
+    # transformers module in sys.modules, so this file's may not be the one the loader imported.
+    monkeypatch.setattr(loader_module.transformers, "__version__", "99.0.0")
     assert gguf_folder_name(digest) != name
